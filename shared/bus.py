@@ -1,0 +1,79 @@
+"""A small layer over Redis: typed messages in and out of streams, keys and pub/sub.
+
+Services own their loops; this module only knows how messages map to Redis commands.
+Everything is asyncio (redis.asyncio); callers batch work with `pipeline()` where it matters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TypeVar
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from shared.codec import decode, encode
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+FIELD = b"m"  # stream entries hold one field whose value is the msgpack message
+
+
+def connect(url: str) -> aioredis.Redis:
+    """A Redis client (a connection pool) that returns raw bytes."""
+    return aioredis.from_url(url, decode_responses=False, health_check_interval=30)
+
+
+async def wait_for_redis(client: aioredis.Redis, timeout: float = 30.0) -> None:
+    """Wait until Redis answers PING (start-up ordering in compose/k8s)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    delay = 0.05
+    while True:
+        try:
+            await client.ping()
+            return
+        except (OSError, aioredis.ConnectionError) as exc:
+            if asyncio.get_running_loop().time() > deadline:
+                raise ConnectionError(f"Redis unreachable: {exc}") from exc
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+def stream_fields(message: msgspec.Struct) -> dict[bytes, bytes]:
+    """Fields of a stream entry holding `message`."""
+    return {FIELD: encode(message)}
+
+
+def entry_message(fields: dict[bytes, bytes], kind: type[T]) -> T:
+    """The message inside a stream entry."""
+    return decode(fields[FIELD], kind)
+
+
+async def ensure_group(client: aioredis.Redis, stream: str, group: str) -> None:
+    """Create a consumer group (and the stream) if missing."""
+    try:
+        await client.xgroup_create(stream, group, id="0", mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+async def read_stream(
+    client: aioredis.Redis, stream: str, last_id: bytes, kind: type[T], block_ms: int | None
+) -> list[tuple[bytes, T]]:
+    """XREAD entries after `last_id` (blocking up to block_ms; None = do not block)."""
+    reply = await client.xread({stream: last_id}, block=block_ms)
+    out: list[tuple[bytes, T]] = []
+    for _name, entries in reply or []:
+        for entry_id, fields in entries:
+            out.append((entry_id, entry_message(fields, kind)))
+    return out
+
+
+async def get_message(client: aioredis.Redis, key: str, kind: type[T]) -> T | None:
+    """The message stored under a key, or None."""
+    data = await client.get(key)
+    return None if data is None else decode(data, kind)

@@ -1,0 +1,52 @@
+"""Redis key, stream and channel names. Everything lives under one namespace prefix so several
+deployments (or tests) can share a Redis server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULER_GROUP = "schedulers"  # consumer group of the request stream
+
+
+@dataclass(frozen=True)
+class Channels:
+    namespace: str = "textgen"
+
+    @property
+    def requests(self) -> str:
+        """Stream of GenerateRequest; consumer group SCHEDULER_GROUP."""
+        return f"{self.namespace}:requests"
+
+    @property
+    def aborts(self) -> str:
+        """Pub/sub channel of AbortRequest, heard by every scheduler."""
+        return f"{self.namespace}:aborts"
+
+    @property
+    def groups(self) -> str:
+        """Set of worker group ids that ever announced themselves."""
+        return f"{self.namespace}:groups"
+
+    def reply(self, gateway_id: str) -> str:
+        """Pub/sub channel of ReplyBatch for one gateway."""
+        return f"{self.namespace}:reply:{gateway_id}"
+
+    def steps(self, group: str) -> str:
+        """Stream of StepPlan for a worker group."""
+        return f"{self.namespace}:group:{group}:steps"
+
+    def results(self, group: str) -> str:
+        """Stream of StepResult from a worker group."""
+        return f"{self.namespace}:group:{group}:results"
+
+    def worker(self, group: str) -> str:
+        """Key holding the group's WorkerReady."""
+        return f"{self.namespace}:group:{group}:worker"
+
+    def heartbeat(self, group: str) -> str:
+        """Key holding the group's last Heartbeat; expires when the group stops beating."""
+        return f"{self.namespace}:group:{group}:heartbeat"
+
+    def scheduler_stats(self, group: str) -> str:
+        """Key holding the SchedulerStats of the group's scheduler."""
+        return f"{self.namespace}:group:{group}:scheduler"

@@ -1,0 +1,124 @@
+"""Configuration, read once at start-up and passed down.
+
+Flag and environment names keep TGI's where TGI has them (`--model-id` / `MODEL_ID`,
+`--max-batch-prefill-tokens` / `MAX_BATCH_PREFILL_TOKENS`, ...). Every service reads the same
+`Settings`; each uses the fields it needs. Command-line flags are generated from the fields
+(`max_batch_size` -> `--max-batch-size`); a flag wins over the environment, which wins over the
+default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="", extra="ignore", populate_by_name=True)
+
+    # --- shared -----------------------------------------------------------------------------
+    redis_url: str | None = Field(None, description="Redis URL; `launch` starts one when unset")
+    namespace: str = Field("textgen", description="prefix of every Redis key and channel")
+    model_id: str = Field(
+        "HuggingFaceTB/SmolLM2-135M-Instruct", description="hub id or local model folder"
+    )
+    revision: str | None = Field(None, description="hub revision of the model")
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR")
+    json_output: bool = Field(False, description="log as JSON lines")
+    otlp_endpoint: str | None = Field(None, description="OpenTelemetry OTLP endpoint for traces")
+
+    # --- request limits (gateway validates, scheduler enforces) ------------------------------
+    max_input_tokens: int | None = Field(None, description="default: max_total_tokens - 1")
+    max_total_tokens: int | None = Field(
+        None, description="prompt + new tokens per request; default: min(model context, 4096)"
+    )
+    max_concurrent_requests: int = Field(128, description="in-flight requests per gateway")
+    max_best_of: int = 2
+    max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+    max_client_batch_size: int = 4
+    payload_limit: int = Field(2_000_000, description="largest accepted request body, bytes")
+    request_timeout: float = Field(600.0, description="seconds before a request is abandoned")
+    max_queue_length: int = Field(10_000, description="requests waiting in the stream; 429 beyond")
+
+    # --- gateway ----------------------------------------------------------------------------
+    hostname: str = "0.0.0.0"
+    port: int = 3000
+    gateway_id: str | None = Field(None, description="reply channel suffix; random when unset")
+    api_key: str | None = None
+
+    # --- scheduler --------------------------------------------------------------------------
+    group: str = Field("0", description="worker group driven by this scheduler/worker")
+    max_batch_prefill_tokens: int = Field(4096, description="prompt tokens per step")
+    max_batch_total_tokens: int | None = Field(
+        None, description="KV-cache capacity in tokens; default: from the worker's memory budget"
+    )
+    max_batch_size: int = Field(256, description="requests per step")
+    waiting_served_ratio: float = 0.3
+    max_waiting_tokens: int = 20
+    block_size: int = Field(16, description="tokens per KV-cache block")
+    metrics_port: int | None = Field(None, description="Prometheus port of scheduler/worker")
+
+    # --- worker -----------------------------------------------------------------------------
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    device: str | None = Field(None, description="cpu, cuda, cuda:1; default: cuda if available")
+    kv_cache_memory: int | None = Field(
+        None, description="bytes for the KV cache; default: a share of free memory"
+    )
+    num_shard: int = Field(1, description="tensor-parallel ranks in the worker group")
+    quantize: str | None = None
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> "Settings":
+        if self.max_batch_size <= 0:
+            raise ValueError("max_batch_size must be > 0")
+        if self.block_size <= 0:
+            raise ValueError("block_size must be > 0")
+        if (
+            self.max_input_tokens is not None
+            and self.max_total_tokens is not None
+            and self.max_input_tokens >= self.max_total_tokens
+        ):
+            raise ValueError("max_input_tokens must be < max_total_tokens")
+        return self
+
+    def resolved_limits(self, model_context: int) -> tuple[int, int]:
+        """(max_input_tokens, max_total_tokens) given the model's context length."""
+        max_total = self.max_total_tokens or min(model_context, 4096)
+        max_input = self.max_input_tokens or max_total - 1
+        return max_input, max_total
+
+
+def _flag_type(annotation: Any) -> Any:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    base = args[0] if args else annotation
+    if typing.get_origin(base) is Literal:
+        return str
+    if base is bool:
+        return lambda text: text.lower() in ("1", "true", "yes", "on")
+    return base if base in (int, float, str) else str
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """Add one `--kebab-case` flag per Settings field. Unset flags stay absent, so the
+    environment and the defaults still apply."""
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
+        if field.annotation is bool:
+            kwargs["action"] = "store_const"
+            kwargs["const"] = True
+        else:
+            kwargs["type"] = _flag_type(field.annotation)
+        parser.add_argument(flag, help=field.description or "", **kwargs)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Settings from parsed flags, falling back to the environment and defaults."""
+    explicit = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    return Settings(**explicit)

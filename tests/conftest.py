@@ -1,0 +1,43 @@
+"""Session fixtures: a private redis-server, tiny model folders, a fresh namespace per test."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.support.redis_server import redis_server
+
+STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260k"
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    with redis_server() as url:
+        yield url
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    from tests.support.tiny_models import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def stories_model() -> Path:
+    if not (STORIES / "model.safetensors").is_file():
+        pytest.skip("../shared/models/stories260k is not present")
+    return STORIES
+
+
+def pytest_configure(config):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
