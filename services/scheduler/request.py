@@ -1,0 +1,65 @@
+"""The scheduler's view of one request."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from shared.messages import GenerateRequest
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: everything from FINISHED on is final."""
+
+    WAITING = 0  # pulled from the stream, no blocks yet (or preempted)
+    RUNNING = 1  # holds blocks, scheduled every step until done
+    FINISHED = 2  # the worker reported a finish reason
+    ABORTED = 3  # the gateway gave up (client gone, stop sequence)
+    EXPIRED = 4  # its deadline passed before it finished
+    FAILED = 5  # the worker failed the step that held it
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED
+
+
+@dataclass
+class SchedRequest:
+    message: GenerateRequest  # as received; resent in full after preemption
+    entry_id: bytes  # stream entry id, acknowledged when the request ends
+    arrival: int  # arrival order among requests of this scheduler
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated so far
+    num_prompt_tokens: int = 0  # len(message.input_ids)
+    num_computed_tokens: int = 0  # tokens whose KV is in the worker's cache (as planned)
+    block_ids: list[int] = field(default_factory=list)  # block table
+    status: RequestStatus = RequestStatus.WAITING
+    is_on_worker: bool = False  # the worker holds its state (sent as NewRequest)
+    scheduled_at: float = 0.0  # unix s of the first scheduling
+    error: str = ""  # why the scheduler failed it (the service tells the gateway)
+
+    @classmethod
+    def from_message(cls, message: GenerateRequest, entry_id: bytes, arrival: int) -> "SchedRequest":
+        return cls(
+            message=message,
+            entry_id=entry_id,
+            arrival=arrival,
+            token_ids=list(message.input_ids) + list(message.generated_ids),
+            num_prompt_tokens=len(message.input_ids),
+        )
+
+    @property
+    def request_id(self) -> str:
+        return self.message.request_id
+
+    @property
+    def num_generated_ids(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Waiting-queue order: priority (high first), then arrival."""
+        return (-self.message.priority, self.arrival)

@@ -1,0 +1,312 @@
+"""Continuous batching: decisions only, no I/O.
+
+`service.py` feeds requests in (`add`, `abort`), asks for a plan (`schedule`), and reports the
+worker's answer (`update`). One rule drives every step, as in vLLM: each running request catches
+its computed tokens up to its known tokens, under a per-step token budget
+(`max_batch_prefill_tokens`). A prompt longer than the budget is therefore prefilled in chunks
+while the other requests keep decoding in the same forward pass; a preempted request is
+recomputed the same way.
+
+Admission: waiting requests in (priority, arrival) order, head-of-line: the first one that does not
+fit stops admission. Blocks are allocated as tokens are scheduled; when they run out, the newest
+running request is preempted (its blocks freed, its tokens kept for recompute).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.request import RequestStatus, SchedRequest
+from shared.messages import (
+    GenerateRequest,
+    NewRequest,
+    RunningRequest,
+    SchedulerStats,
+    StepPlan,
+    StepResult,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int  # KV blocks of the worker group
+    block_size: int  # tokens per block
+    max_batch_prefill_tokens: int = 4096  # tokens computed per step (prefill and decode)
+    max_batch_size: int = 256  # requests per step
+    watermark_blocks: int = 0  # blocks kept free when admitting, so decodes rarely preempt
+
+
+@dataclass
+class StepCounters:
+    num_steps: int = 0
+    num_finished: int = 0
+    max_step_batch_size: int = 0
+    num_joined_running: int = 0
+    num_prefill_chunks: int = 0
+    num_mixed_steps: int = 0
+    num_preempted: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.clock = clock
+        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.waiting: list[SchedRequest] = []  # sorted by SchedRequest.sort_key
+        self.running: list[SchedRequest] = []  # admission order (newest last)
+        self.requests: dict[str, SchedRequest] = {}  # every unfinished request by id
+        self.counters = StepCounters()
+        self._released_ids: list[str] = []  # to tell the worker in the next plan
+        self._ended: list[SchedRequest] = []  # ended requests not yet taken by the service
+        self._next_step_id = 0
+        self._num_arrivals = 0
+        self._is_first_plan = True
+        self._step_request_ids: dict[int, list[str]] = {}  # plans awaiting their result
+
+    # --- inputs --------------------------------------------------------------------------
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def add(self, message: GenerateRequest, entry_id: bytes) -> None:
+        """A request pulled from the stream."""
+        if message.request_id in self.requests:
+            return  # redelivered while still held
+        request = SchedRequest.from_message(message, entry_id, self._num_arrivals)
+        self._num_arrivals += 1
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request the gateway no longer wants; False if unknown here."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._end(request, RequestStatus.ABORTED)
+        return True
+
+    def expire(self) -> None:
+        """End requests whose deadline passed: nobody waits for them any more."""
+        now = self.clock()
+        for request in list(self.requests.values()):
+            if request.message.deadline and request.message.deadline < now:
+                self._end(request, RequestStatus.EXPIRED)
+
+    def update(self, result: StepResult) -> None:
+        """Apply the worker's answer to a plan."""
+        scheduled_ids = self._step_request_ids.pop(result.step_id, [])
+        if result.error:
+            # the worker already told the gateways; end every request of the step
+            log.error("step %d failed on the worker: %s", result.step_id, result.error)
+            for request_id in scheduled_ids:
+                request = self.requests.get(request_id)
+                if request is not None:
+                    self._end(request, RequestStatus.FAILED, is_on_worker_done=True)
+            return
+        for output in result.outputs:
+            request = self.requests.get(output.request_id)
+            if request is None:
+                continue  # aborted while the step ran
+            request.token_ids.extend(output.token_ids)
+            if output.finish_reason is not None:
+                self._end(request, RequestStatus.FINISHED, is_on_worker_done=True)
+
+    def take_ended(self) -> list[SchedRequest]:
+        """Requests that ended since the last call (to acknowledge on the stream)."""
+        ended, self._ended = self._ended, []
+        return ended
+
+    # --- the plan ------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        """The next step, or None when there is nothing to compute."""
+        budget = self.config.max_batch_prefill_tokens
+        scheduled: list[tuple[SchedRequest, int, list[int]]] = []
+        has_running = bool(self.running)
+        budget = self._schedule_running(scheduled, budget)
+        self._admit_waiting(scheduled, budget, has_running)
+        if not scheduled and not self._released_ids:
+            return None
+        return self._make_plan(scheduled)
+
+    def _schedule_running(
+        self, scheduled: list[tuple[SchedRequest, int, list[int]]], budget: int
+    ) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_tokens = min(request.num_uncomputed_tokens, budget)
+            if num_tokens <= 0:
+                index += 1
+                continue
+            new_block_ids = self._grow(request, num_tokens)
+            if new_block_ids is None:  # no blocks left: preempt the newest request
+                victim = self.running[-1]
+                self._preempt(victim, scheduled)
+                if victim is request:
+                    break
+                continue
+            scheduled.append((request, num_tokens, new_block_ids))
+            budget -= num_tokens
+            index += 1
+        return budget
+
+    def _admit_waiting(
+        self, scheduled: list[tuple[SchedRequest, int, list[int]]], budget: int, has_running: bool
+    ) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
+            request = self.waiting[0]
+            if self.blocks.num_blocks_for(len(request.token_ids) + 1) > self.blocks.num_blocks:
+                request.error = (
+                    f"the request needs {len(request.token_ids) + 1} tokens of KV cache, more "
+                    f"than the worker group holds ({self.blocks.num_blocks * self.blocks.block_size})"
+                )
+                self._end(request, RequestStatus.FAILED)
+                continue
+            num_tokens = min(request.num_uncomputed_tokens, budget)
+            num_blocks = self.blocks.num_missing_blocks(num_tokens, 0)
+            if not self.blocks.can_allocate(num_blocks, reserve=self.config.watermark_blocks):
+                break  # head-of-line: keep arrival order
+            self.waiting.pop(0)
+            request.block_ids = self.blocks.allocate(num_blocks)
+            request.status = RequestStatus.RUNNING
+            if not request.scheduled_at:
+                request.scheduled_at = self.clock()
+            self.running.append(request)
+            if has_running:
+                self.counters.num_joined_running += 1
+            scheduled.append((request, num_tokens, request.block_ids))
+            budget -= num_tokens
+
+    def _grow(self, request: SchedRequest, num_tokens: int) -> list[int] | None:
+        """Blocks to add so the request can compute num_tokens more; None if not enough."""
+        target = request.num_computed_tokens + num_tokens
+        missing = self.blocks.num_missing_blocks(target, len(request.block_ids))
+        if not self.blocks.can_allocate(missing):
+            return None
+        new_block_ids = self.blocks.allocate(missing)
+        request.block_ids.extend(new_block_ids)
+        return new_block_ids
+
+    def _preempt(
+        self, request: SchedRequest, scheduled: list[tuple[SchedRequest, int, list[int]]]
+    ) -> None:
+        """Free a running request's blocks and put it back at the head of the queue."""
+        assert all(other is not request for other, _, _ in scheduled)
+        self.running.remove(request)
+        self.blocks.free(request.block_ids)
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        if request.is_on_worker:
+            self._released_ids.append(request.request_id)
+            request.is_on_worker = False
+        self.counters.num_preempted += 1
+        log.info("preempted %s (%d tokens to recompute)", request.request_id, len(request.token_ids))
+        self._enqueue(request)
+
+    def _make_plan(self, scheduled: list[tuple[SchedRequest, int, list[int]]]) -> StepPlan:
+        new_requests: list[NewRequest] = []
+        running: list[RunningRequest] = []
+        num_decodes = num_prefill_tokens = 0
+        for request, num_tokens, new_block_ids in scheduled:
+            is_prompt_chunk = request.num_computed_tokens < len(request.token_ids) - 1
+            if is_prompt_chunk:
+                num_prefill_tokens += num_tokens
+                if request.num_computed_tokens + num_tokens < len(request.token_ids):
+                    self.counters.num_prefill_chunks += 1
+            else:
+                num_decodes += 1
+            if request.is_on_worker:
+                running.append(
+                    RunningRequest(
+                        request_id=request.request_id,
+                        new_block_ids=new_block_ids,
+                        num_scheduled_tokens=num_tokens,
+                    )
+                )
+            else:
+                new_requests.append(self._new_request(request, num_tokens))
+                request.is_on_worker = True
+            request.num_computed_tokens += num_tokens
+        if num_decodes and num_prefill_tokens:
+            self.counters.num_mixed_steps += 1
+        self.counters.num_steps += 1
+        self.counters.max_step_batch_size = max(self.counters.max_step_batch_size, len(scheduled))
+        plan = StepPlan(
+            step_id=self._next_step_id,
+            reset=self._is_first_plan,
+            new_requests=new_requests,
+            running=running,
+            released_ids=self._released_ids,
+            sent_at=self.clock(),
+        )
+        self._released_ids = []
+        self._step_request_ids[plan.step_id] = [r.request_id for r, _, _ in scheduled]
+        self._next_step_id += 1
+        self._is_first_plan = False
+        return plan
+
+    def _new_request(self, request: SchedRequest, num_tokens: int) -> NewRequest:
+        message = request.message
+        return NewRequest(
+            request_id=request.request_id,
+            input_ids=message.input_ids,
+            generated_ids=request.token_ids[request.num_prompt_tokens:],
+            sampling=message.sampling,
+            stopping=message.stopping,
+            reply_to=message.reply_to,
+            block_ids=list(request.block_ids),
+            num_computed_tokens=request.num_computed_tokens,
+            num_scheduled_tokens=num_tokens,
+            scheduled_at=request.scheduled_at,
+            traceparent=message.traceparent,
+        )
+
+    # --- bookkeeping ---------------------------------------------------------------------
+
+    def _enqueue(self, request: SchedRequest) -> None:
+        keys = [r.sort_key for r in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, request.sort_key), request)
+
+    def _end(self, request: SchedRequest, status: RequestStatus, is_on_worker_done: bool = False) -> None:
+        if request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        elif request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.blocks.free(request.block_ids)
+            request.block_ids = []
+        if request.is_on_worker and not is_on_worker_done:
+            self._released_ids.append(request.request_id)
+        request.is_on_worker = False
+        request.status = status
+        del self.requests[request.request_id]
+        self._ended.append(request)
+        if status == RequestStatus.FINISHED:
+            self.counters.num_finished += 1
+
+    def stats(self, group: str, draining: bool = False) -> SchedulerStats:
+        c = self.counters
+        return SchedulerStats(
+            group=group,
+            at=self.clock(),
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_blocks=self.blocks.num_blocks,
+            num_free_blocks=self.blocks.num_free_blocks,
+            num_steps=c.num_steps,
+            num_finished=c.num_finished,
+            max_step_batch_size=c.max_step_batch_size,
+            num_joined_running=c.num_joined_running,
+            num_prefill_chunks=c.num_prefill_chunks,
+            num_mixed_steps=c.num_mixed_steps,
+            num_preempted=c.num_preempted,
+            draining=draining,
+        )

@@ -1,0 +1,87 @@
+"""The paged KV cache: per layer, one key and one value tensor of token slots.
+
+Slot s of a layer holds the key/value of one token: block `s // block_size`, offset
+`s % block_size`. The scheduler hands out blocks; the worker writes and reads where the
+block tables say (see services/scheduler/block_manager.py for the picture).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_SHARE = 0.2  # of available RAM for the cache when no budget is given
+CPU_DEFAULT_CAP = 2 << 30  # bytes
+CUDA_DEFAULT_SHARE = 0.9  # of free device memory after loading the weights
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+
+def default_budget(device: torch.device) -> int:
+    """Bytes the cache may take when the operator gave no --kv-cache-memory."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_DEFAULT_SHARE)
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        available = 8 << 30
+    return min(int(available * CPU_DEFAULT_SHARE), CPU_DEFAULT_CAP)
+
+
+def plan_num_blocks(
+    shape: CacheShape, block_size: int, budget_bytes: int, max_tokens: int | None
+) -> int:
+    """Blocks that fit the budget, capped at max_tokens (--max-batch-total-tokens) if set."""
+    num_blocks = budget_bytes // (shape.bytes_per_token * block_size)
+    if max_tokens is not None:
+        num_blocks = min(num_blocks, -(-max_tokens // block_size))
+    if num_blocks <= 0:
+        raise MemoryError(
+            f"KV cache budget of {budget_bytes} bytes holds no block of {block_size} tokens"
+        )
+    return int(num_blocks)
+
+
+class PagedKVCache:
+    def __init__(
+        self, shape: CacheShape, num_blocks: int, block_size: int, device: torch.device
+    ) -> None:
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        num_slots = num_blocks * block_size
+        # per layer: [num_slots, num_kv_heads, head_dim]
+        self.keys = [
+            torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype,
+                        device=device)
+            for _ in range(shape.num_layers)
+        ]
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        log.info(
+            "KV cache: %d blocks x %d tokens, %.1f MiB on %s",
+            num_blocks, block_size, num_slots * shape.bytes_per_token / 2**20, device,
+        )
+
+    def slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """Slots of a request's first num_tokens tokens. [num_tokens]"""
+        blocks = torch.tensor(block_ids, dtype=torch.long)
+        offsets = torch.arange(self.block_size, dtype=torch.long)
+        return (blocks[:, None] * self.block_size + offsets[None, :]).flatten()[:num_tokens]

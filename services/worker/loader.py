@@ -1,0 +1,85 @@
+"""Loading a Hugging Face model folder (config.json + safetensors) with transformers' own
+modeling code, wired to the paged attention function."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.worker import paged_attention
+from services.worker.kv_cache import CacheShape
+from shared.model_files import context_length, eos_token_ids, resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    folder: Path
+    cache_shape: CacheShape
+    eos_token_ids: list[int]
+    max_model_len: int
+    device: torch.device
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_dtype(name: str, device: torch.device, config_dtype: torch.dtype | None) -> torch.dtype:
+    """`auto`: the checkpoint's dtype on GPU; float32 on CPU (half precision is slow there)."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def load_model(
+    model_id: str,
+    revision: str | None = None,
+    dtype: str = "auto",
+    device: str | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    paged_attention.register()
+    folder = resolve_model_dir(model_id, revision)
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    target = pick_device(device)
+    config_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    torch_dtype = pick_dtype(dtype, target, config_dtype if isinstance(config_dtype, torch.dtype) else None)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder,
+        dtype=torch_dtype,
+        attn_implementation=paged_attention.ATTENTION_NAME,
+        trust_remote_code=trust_remote_code,
+    )
+    model.to(target).eval()
+    text_config = config.get_text_config()
+    num_heads = text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
+    shape = CacheShape(
+        num_layers=text_config.num_hidden_layers,
+        num_kv_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        dtype=torch_dtype,
+    )
+    log.info("loaded %s (%s, %s) from %s", model_id, torch_dtype, target, folder)
+    return LoadedModel(
+        model=model,
+        folder=folder,
+        cache_shape=shape,
+        eos_token_ids=eos_token_ids(folder),
+        max_model_len=context_length(folder),
+        device=target,
+    )

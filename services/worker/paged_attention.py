@@ -1,0 +1,98 @@
+"""Paged attention for transformers' own modeling code.
+
+The runner packs every scheduled token of every request into one sequence
+(input_ids [1, num_tokens], explicit position_ids) and passes an `AttentionMetadata` as the
+keyword argument `textgen_attention`; transformers hands it to the attention function below,
+registered under ATTENTION_NAME through `AttentionInterface`. For each layer it writes the new
+keys/values into the cache by slot mapping, then attends each request's queries over all of
+that request's cached tokens:
+
+    packed queries:  | r0: 5 prompt tokens | r1: 1 decode | r2: chunk of 3 |
+    query_start:     0                     5              6                9
+    context_lens:    5                     37             19   (tokens in cache after the write)
+
+Query j of a request with q_len queries and context_len keys sits at position
+context_len - q_len + j and sees keys 0..that position (causal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.kv_cache import PagedKVCache
+
+ATTENTION_NAME = "textgen_paged"
+METADATA_KWARG = "textgen_attention"
+
+
+@dataclass
+class AttentionMetadata:
+    kv_cache: PagedKVCache
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each packed token
+    query_start: list[int]  # [num_requests + 1] offsets of each request's queries
+    context_lens: list[int]  # [num_requests] cached tokens per request after this step
+    context_slots: list[torch.Tensor]  # per request: [context_len] slots of all its tokens
+
+
+def _causal_mask(q_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor:
+    """[q_len, context_len] True where a query may attend."""
+    query_pos = torch.arange(context_len - q_len, context_len, device=device)[:, None]
+    key_pos = torch.arange(context_len, device=device)[None, :]
+    mask = key_pos <= query_pos
+    if sliding_window:
+        mask &= key_pos > query_pos - sliding_window
+    return mask
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, num_heads, num_tokens, head_dim]
+    key: torch.Tensor,  # [1, num_kv_heads, num_tokens, head_dim]
+    value: torch.Tensor,  # [1, num_kv_heads, num_tokens, head_dim]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    meta: AttentionMetadata = kwargs[METADATA_KWARG]
+    if softcap:
+        raise NotImplementedError("attention logit soft-capping is not supported yet")
+    layer = module.layer_idx
+    k_cache = meta.kv_cache.keys[layer]  # [num_slots, num_kv_heads, head_dim]
+    v_cache = meta.kv_cache.values[layer]
+    k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+
+    num_tokens = query.shape[2]
+    out = torch.empty(
+        num_tokens, query.shape[1], query.shape[3], dtype=query.dtype, device=query.device
+    )  # [num_tokens, num_heads, head_dim]
+    for i, context_len in enumerate(meta.context_lens):
+        start, end = meta.query_start[i], meta.query_start[i + 1]
+        q = query[0, :, start:end]  # [num_heads, q_len, head_dim]
+        slots = meta.context_slots[i]
+        k = k_cache[slots].transpose(0, 1).to(q.dtype)  # [num_kv_heads, context_len, head_dim]
+        v = v_cache[slots].transpose(0, 1).to(q.dtype)
+        q_len = end - start
+        is_full_causal = q_len == context_len and not sliding_window
+        mask = None
+        if q_len > 1 and not is_full_causal or (sliding_window and context_len > sliding_window):
+            mask = _causal_mask(q_len, context_len, sliding_window, q.device)
+        attended = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_full_causal, scale=scaling,
+            enable_gqa=q.shape[0] != k.shape[0],
+        )  # [num_heads, q_len, head_dim]
+        out[start:end] = attended.transpose(0, 1)
+    return out.unsqueeze(0), None  # [1, num_tokens, num_heads, head_dim]
+
+
+def register() -> None:
+    """Make ATTENTION_NAME usable as `attn_implementation` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

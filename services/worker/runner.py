@@ -1,0 +1,217 @@
+"""Executes StepPlans on a transformers model with the paged KV cache.
+
+Input: a StepPlan (new requests in full, running ones as diffs). Output: a StepResult for the
+scheduler and TokenEvents grouped by reply channel for the gateways. The runner holds no
+Redis: `service.py` moves the messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from services.worker.kv_cache import PagedKVCache
+from services.worker.paged_attention import METADATA_KWARG, AttentionMetadata
+from services.worker.sampling import Sampled, needs_own_row, sample_greedy_batch, sample_one
+from services.worker.state import RequestState, stop_reason
+from shared.messages import RequestOutput, StepPlan, StepResult, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutcome:
+    result: StepResult  # for the scheduler
+    events: dict[str, list[TokenEvent]]  # reply channel -> events of its requests
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # [1, num_tokens]
+    position_ids: torch.Tensor  # [1, num_tokens]
+    metadata: AttentionMetadata
+    sample_rows: torch.Tensor  # [num_sampling] packed index of each sampling request's last token
+    sampling: list[RequestState]  # requests that sample this step, in row order
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: PagedKVCache,
+        eos_token_ids: list[int],
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.device = device
+        self.requests: dict[str, RequestState] = {}
+
+    def execute(self, plan: StepPlan) -> StepOutcome:
+        started = time.perf_counter()
+        scheduled = self._apply_plan(plan)
+        if not scheduled:
+            return StepOutcome(StepResult(step_id=plan.step_id), {})
+        try:
+            batch = self._pack(scheduled)
+            forward_started = time.perf_counter()
+            logits = self._forward(batch)
+            forward_s = time.perf_counter() - forward_started
+            sample_started = time.perf_counter()
+            samples = self._sample(batch.sampling, logits)
+            sample_s = time.perf_counter() - sample_started
+        except Exception as exc:  # the whole step fails; every request in it ends
+            log.exception("step %d failed", plan.step_id)
+            return self._fail(plan.step_id, scheduled, f"{type(exc).__name__}: {exc}")
+        outcome = self._advance(plan.step_id, scheduled, samples)
+        outcome.result.num_tokens = int(batch.input_ids.shape[1])
+        outcome.result.forward_s = forward_s
+        outcome.result.sample_s = sample_s
+        outcome.result.step_s = time.perf_counter() - started
+        return outcome
+
+    def _apply_plan(self, plan: StepPlan) -> list[RequestState]:
+        if plan.reset:
+            self.requests.clear()
+        for request_id in plan.released_ids:
+            self.requests.pop(request_id, None)
+        scheduled = []
+        for new in plan.new_requests:
+            state = RequestState.from_new(new)
+            self.requests[state.request_id] = state
+            scheduled.append(state)
+        for running in plan.running:
+            state = self.requests.get(running.request_id)
+            if state is None:
+                log.warning("plan %d names unknown request %s", plan.step_id, running.request_id)
+                continue
+            state.block_ids.extend(running.new_block_ids)
+            state.num_scheduled_tokens = running.num_scheduled_tokens
+            scheduled.append(state)
+        return scheduled
+
+    def _pack(self, scheduled: list[RequestState]) -> PackedBatch:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_chunks: list[torch.Tensor] = []
+        context_slots: list[torch.Tensor] = []
+        query_start = [0]
+        context_lens: list[int] = []
+        sample_rows: list[int] = []
+        sampling: list[RequestState] = []
+        for state in scheduled:
+            start = state.num_computed_tokens
+            end = start + state.num_scheduled_tokens
+            input_ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots = self.kv_cache.slots(state.block_ids, end)  # [end]
+            slot_chunks.append(slots[start:end])
+            context_slots.append(slots.to(self.device))
+            context_lens.append(end)
+            query_start.append(query_start[-1] + end - start)
+            if state.samples_this_step:
+                sample_rows.append(query_start[-1] - 1)
+                sampling.append(state)
+        metadata = AttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.cat(slot_chunks).to(self.device),
+            query_start=query_start,
+            context_lens=context_lens,
+            context_slots=context_slots,
+        )
+        return PackedBatch(
+            input_ids=torch.tensor([input_ids], dtype=torch.long, device=self.device),
+            position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
+            metadata=metadata,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            sampling=sampling,
+        )
+
+    @torch.inference_mode()
+    def _forward(self, batch: PackedBatch) -> torch.Tensor:
+        """Logits of the sampling rows. [num_sampling, vocab]"""
+        if not batch.sampling:
+            logits_to_keep: int | torch.Tensor = 1  # nothing samples; keep the cost minimal
+        else:
+            logits_to_keep = batch.sample_rows
+        output = self.model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            use_cache=False,
+            logits_to_keep=logits_to_keep,
+            **{METADATA_KWARG: batch.metadata},
+        )
+        return output.logits[0]
+
+    def _sample(self, sampling: list[RequestState], logits: torch.Tensor) -> list[Sampled]:
+        samples: list[Sampled | None] = [None] * len(sampling)
+        greedy_rows = [i for i, s in enumerate(sampling) if not needs_own_row(s.sampling)]
+        if greedy_rows:
+            batch = sample_greedy_batch(
+                logits[greedy_rows], [sampling[i].sampling.top_n_tokens for i in greedy_rows]
+            )
+            for row, sample in zip(greedy_rows, batch):
+                samples[row] = sample
+        for i, state in enumerate(sampling):
+            if samples[i] is None:
+                samples[i] = sample_one(
+                    logits[i], state.sampling, state.token_ids, state.num_generated + 1
+                )
+        return samples  # type: ignore[return-value]
+
+    def _advance(
+        self, step_id: int, scheduled: list[RequestState], samples: list[Sampled]
+    ) -> StepOutcome:
+        sampling_iter = iter(samples)
+        events: dict[str, list[TokenEvent]] = defaultdict(list)
+        outputs: list[RequestOutput] = []
+        for state in scheduled:
+            is_sampling = state.samples_this_step
+            state.num_computed_tokens += state.num_scheduled_tokens
+            if not is_sampling:
+                outputs.append(RequestOutput(request_id=state.request_id))
+                continue
+            sample = next(sampling_iter)
+            state.token_ids.append(sample.token_id)
+            reason = stop_reason(state, sample.token_id, self.eos_token_ids, self.max_model_len)
+            outputs.append(
+                RequestOutput(
+                    request_id=state.request_id, token_ids=[sample.token_id], finish_reason=reason
+                )
+            )
+            event = TokenEvent(
+                request_id=state.request_id,
+                index=state.num_generated,
+                token_ids=[sample.token_id],
+                logprobs=[sample.logprob],
+                top_tokens=[sample.top_tokens] if sample.top_tokens else [],
+                finish_reason=reason,
+            )
+            if not state.has_sent_first_event:
+                event.scheduled_at = state.scheduled_at
+                state.has_sent_first_event = True
+            events[state.reply_to].append(event)
+            if reason is not None:
+                del self.requests[state.request_id]
+        return StepOutcome(StepResult(step_id=step_id, outputs=outputs), dict(events))
+
+    def _fail(self, step_id: int, scheduled: list[RequestState], error: str) -> StepOutcome:
+        events: dict[str, list[TokenEvent]] = defaultdict(list)
+        for state in scheduled:
+            self.requests.pop(state.request_id, None)
+            events[state.reply_to].append(
+                TokenEvent(request_id=state.request_id, error=error, error_type="generation")
+            )
+        result = StepResult(
+            step_id=step_id,
+            outputs=[RequestOutput(request_id=s.request_id) for s in scheduled],
+            error=error,
+        )
+        return StepOutcome(result, dict(events))

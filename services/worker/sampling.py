@@ -1,0 +1,118 @@
+"""Turning logits into tokens: penalties, warpers, greedy or seeded draws.
+
+Replay is exact: a sampled token is drawn from a generator seeded by (seed, token index) only,
+so the same request regenerates the same tokens whatever batch it runs in and on whichever
+worker group it is replayed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.messages import SamplingParams, TopToken
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class Sampled:
+    token_id: int
+    logprob: float
+    top_tokens: list[TopToken]
+
+
+def draw_seed(seed: int, token_index: int) -> int:
+    """A 63-bit generator seed from (request seed, 1-based token index) (splitmix64)."""
+    z = (seed + token_index * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, token_ids: list[int]
+) -> torch.Tensor:
+    """Repetition penalty (CTRL) and frequency penalty over the tokens seen so far. [vocab]"""
+    if params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0:
+        return logits
+    seen = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+    logits = logits.clone()
+    if params.repetition_penalty != 1.0:
+        unique = seen.unique()
+        scores = logits[unique]
+        penalty = params.repetition_penalty
+        logits[unique] = torch.where(scores < 0, scores * penalty, scores / penalty)
+    if params.frequency_penalty != 0.0:
+        counts = torch.bincount(seen, minlength=logits.shape[-1])[: logits.shape[-1]]
+        logits = logits - params.frequency_penalty * counts.to(logits.dtype)
+    return logits
+
+
+def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k, top-p and typical-p; removed tokens get -inf. [vocab]"""
+    if params.temperature != 1.0:
+        logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        remove = cumulative - sorted_logits.softmax(-1) >= params.top_p  # keep >= 1 token
+        logits = logits.masked_fill(remove.scatter(0, order, remove), float("-inf"))
+    if params.typical_p < 1.0:
+        log_probs = logits.log_softmax(-1)
+        entropy = -(log_probs.exp().nan_to_num() * log_probs.nan_to_num()).sum()
+        deviation = (entropy + log_probs).abs()
+        sorted_dev, order = torch.sort(deviation)
+        cumulative = log_probs[order].exp().cumsum(-1)
+        keep = (cumulative - log_probs[order].exp()) < params.typical_p
+        keep[0] = True
+        remove = ~keep
+        logits = logits.masked_fill(remove.scatter(0, order, remove), float("-inf"))
+    return logits
+
+
+def sample_one(
+    logits: torch.Tensor, params: SamplingParams, token_ids: list[int], token_index: int
+) -> Sampled:
+    """The next token of one request from its logits row. [vocab] float32"""
+    logits = apply_penalties(logits.float(), params, token_ids)
+    if params.do_sample:
+        logits = warp(logits, params)
+    log_probs = logits.log_softmax(-1)
+    if params.do_sample:
+        generator = torch.Generator(device=logits.device)
+        generator.manual_seed(draw_seed(params.seed, token_index))
+        # exponential race: argmax(p / E), E ~ Exp(1), is a draw from p
+        noise = torch.empty_like(log_probs).exponential_(generator=generator)
+        token_id = int(torch.argmax(log_probs.exp() / noise))
+    else:
+        token_id = int(torch.argmax(logits))
+    return Sampled(token_id, float(log_probs[token_id]), _top_tokens(log_probs, params.top_n_tokens))
+
+
+def sample_greedy_batch(logits: torch.Tensor, top_n_tokens: list[int]) -> list[Sampled]:
+    """Greedy tokens for rows that need no penalty: one argmax for all. [num_rows, vocab]"""
+    log_probs = logits.float().log_softmax(-1)
+    token_ids = torch.argmax(logits, dim=-1).tolist()
+    chosen = log_probs.gather(1, torch.tensor(token_ids, device=logits.device)[:, None])
+    chosen_list = chosen[:, 0].tolist()
+    return [
+        Sampled(token_ids[i], chosen_list[i], _top_tokens(log_probs[i], top_n_tokens[i]))
+        for i in range(len(token_ids))
+    ]
+
+
+def _top_tokens(log_probs: torch.Tensor, n: int) -> list[TopToken]:
+    if n <= 0:
+        return []
+    values, indices = torch.topk(log_probs, n)
+    return [TopToken(id=int(i), logprob=float(v)) for v, i in zip(values.tolist(), indices.tolist())]
+
+
+def needs_own_row(params: SamplingParams) -> bool:
+    """True when the request cannot take the batched greedy path."""
+    return params.do_sample or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
