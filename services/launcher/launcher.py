@@ -1,0 +1,137 @@
+"""`textgen launch`: an embedded Redis (unless --redis-url) and every service as a child
+process, like TGI's launcher. Ready means a real generation went through; a child that dies
+stops everything with a clear message; Ctrl-C or SIGTERM stops everything."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from services.launcher.embedded_redis import EmbeddedRedis
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+SERVICES = ("worker", "scheduler", "gateway")
+READY_TIMEOUT_S = 1800.0  # a first run may download the model
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the launcher dies, even by SIGKILL (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Stop(Exception):
+    """Raised by the signal handler to leave the wait loops."""
+
+
+class Launcher:
+    def __init__(self, settings: Settings, forwarded_args: list[str]) -> None:
+        self.settings = settings
+        self.forwarded_args = forwarded_args
+        self.redis = EmbeddedRedis()
+        self.children: dict[str, subprocess.Popen] = {}
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        try:
+            url = self.settings.redis_url or self.redis.start()
+            for name in SERVICES:
+                self._spawn(name, url)
+            self._wait_ready()
+            print(f"textgen is ready: http://127.0.0.1:{self.settings.port} "
+                  f"(model {self.settings.model_id}, redis {url})", flush=True)
+            return self._watch()
+        except Stop:
+            print("textgen: stopping", file=sys.stderr, flush=True)
+            return 0
+        except ChildDied as died:
+            print(f"textgen: {died}; stopping everything", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            self._stop_all()
+
+    def _spawn(self, name: str, redis_url: str) -> None:
+        command = [sys.executable, "-m", "services.launcher.cli", name, *self.forwarded_args,
+                   "--redis-url", redis_url]
+        self.children[name] = subprocess.Popen(
+            command, start_new_session=True, preexec_fn=_die_with_parent
+        )
+        log.info("started %s (pid %d)", name, self.children[name].pid)
+
+    def _check_children(self) -> None:
+        for name, child in self.children.items():
+            code = child.poll()
+            if code is not None:
+                raise ChildDied(f"the {name} exited with code {code}")
+        if not self.redis.is_alive():
+            raise ChildDied("the embedded redis-server exited")
+
+    def _wait_ready(self) -> None:
+        base = f"http://127.0.0.1:{self.settings.port}"
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self._check_children()
+            if _get_status(f"{base}/health") == 200 and self._generation_works(base):
+                return
+            time.sleep(0.25)
+        raise ChildDied(f"no successful generation within {READY_TIMEOUT_S:.0f} s")
+
+    @staticmethod
+    def _generation_works(base: str) -> bool:
+        body = json.dumps({"inputs": "Hello", "parameters": {"max_new_tokens": 1}}).encode()
+        request = urllib.request.Request(
+            f"{base}/generate", data=body, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _watch(self) -> int:
+        while True:
+            self._check_children()
+            time.sleep(0.5)
+
+    def _on_signal(self, signum, _frame) -> None:
+        raise Stop()
+
+    def _stop_all(self) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for child in self.children.values():
+            if child.poll() is None:
+                child.terminate()
+        deadline = time.monotonic() + 10
+        for child in self.children.values():
+            try:
+                child.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+        self.redis.stop()
+
+
+class ChildDied(Exception):
+    pass
+
+
+def _get_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, OSError):
+        return 0

@@ -1,0 +1,35 @@
+"""Prometheus metrics of a worker (served on --metrics-port)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from shared.telemetry import new_registry
+
+STEP_BUCKETS = [0.0005 * 1.6**i for i in range(24)]
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = new_registry()
+        r = self.registry
+        self.step_duration = Histogram(
+            "textgen_worker_step_duration_seconds", "whole step: plan read to tokens published",
+            buckets=STEP_BUCKETS, registry=r,
+        )
+        self.forward_duration = Histogram(
+            "textgen_worker_forward_duration_seconds", "model forward per step",
+            buckets=STEP_BUCKETS, registry=r,
+        )
+        self.batch_tokens = Histogram(
+            "textgen_worker_step_tokens", "tokens computed per step",
+            buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192], registry=r,
+        )
+        self.generated_tokens = Counter(
+            "textgen_worker_generated_tokens", "tokens sampled", registry=r
+        )
+        self.step_failures = Counter(
+            "textgen_worker_step_failures", "steps that raised", registry=r
+        )
+        self.requests = Gauge("textgen_worker_requests", "requests held", registry=r)
+        self.kv_blocks = Gauge("textgen_worker_kv_blocks", "KV-cache blocks allocated", registry=r)

@@ -1,0 +1,149 @@
+"""The worker's Redis loop: announce capacity, execute step plans, stream tokens back.
+
+Reads StepPlans from {ns}:group:{g}:steps, runs them on the ModelRunner (in a thread, so the
+heartbeat keeps beating during a long forward), then in one pipeline PUBLISHes one ReplyBatch
+per gateway and XADDs the StepResult to {ns}:group:{g}:results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import redis.asyncio as aioredis
+
+from services.worker.kv_cache import PagedKVCache, default_budget, plan_num_blocks
+from services.worker.loader import LoadedModel
+from services.worker.metrics import WorkerMetrics
+from services.worker.runner import ModelRunner, StepOutcome
+from shared.bus import read_stream, stream_fields
+from shared.channels import Channels
+from shared.codec import encode
+from shared.messages import Heartbeat, ReplyBatch, StepPlan, WorkerReady
+from shared.settings import Settings
+from shared.telemetry import extract_context, tracer
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TTL_S = 5
+RESULTS_MAXLEN = 1000
+
+
+class WorkerService:
+    def __init__(self, settings: Settings, loaded: LoadedModel, redis: aioredis.Redis) -> None:
+        self.settings = settings
+        self.loaded = loaded
+        self.redis = redis
+        self.channels = Channels(settings.namespace)
+        self.group = settings.group
+        self.metrics = WorkerMetrics()
+        self.tracer = tracer("textgen.worker")
+        budget = settings.kv_cache_memory or default_budget(loaded.device)
+        num_blocks = plan_num_blocks(
+            loaded.cache_shape, settings.block_size, budget, settings.max_batch_total_tokens
+        )
+        cache = PagedKVCache(loaded.cache_shape, num_blocks, settings.block_size, loaded.device)
+        self.metrics.kv_blocks.set(num_blocks)
+        self.runner = ModelRunner(
+            loaded.model, cache, loaded.eos_token_ids, loaded.max_model_len, loaded.device
+        )
+        self.last_step_id = 0
+
+    def ready_message(self) -> WorkerReady:
+        cache = self.runner.kv_cache
+        return WorkerReady(
+            group=self.group,
+            model_id=self.settings.model_id,
+            num_blocks=cache.num_blocks,
+            block_size=cache.block_size,
+            max_batch_size=self.settings.max_batch_size,
+            max_model_len=self.loaded.max_model_len,
+            eos_token_ids=self.loaded.eos_token_ids,
+            dtype=str(self.loaded.cache_shape.dtype).removeprefix("torch."),
+            device=str(self.loaded.device),
+            world_size=self.settings.num_shard,
+            started_at=time.time(),
+        )
+
+    async def announce(self) -> None:
+        """Drop stale plans, then publish capacity: from here on the scheduler may plan."""
+        channels = self.channels
+        await self.redis.delete(channels.steps(self.group))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(channels.worker(self.group), encode(self.ready_message()))
+            pipe.sadd(channels.groups, self.group)
+            await pipe.execute()
+        await self._beat()
+        log.info("worker group %s ready: %d blocks of %d tokens",
+                 self.group, self.runner.kv_cache.num_blocks, self.runner.kv_cache.block_size)
+
+    async def run(self) -> None:
+        await self.announce()
+        heartbeat = asyncio.create_task(self._heartbeat_loop())
+        try:
+            await self._step_loop()
+        finally:
+            heartbeat.cancel()
+
+    async def _step_loop(self) -> None:
+        steps = self.channels.steps(self.group)
+        last_id = b"0-0"
+        while True:
+            entries = await read_stream(self.redis, steps, last_id, StepPlan, block_ms=1000)
+            for entry_id, plan in entries:
+                last_id = entry_id
+                outcome = await asyncio.to_thread(self._execute, plan)
+                await self._publish(outcome)
+                self.last_step_id = plan.step_id
+            if entries:
+                await self.redis.xtrim(steps, minid=last_id, approximate=True)
+
+    def _execute(self, plan: StepPlan) -> StepOutcome:
+        parent = extract_context(plan.new_requests[0].traceparent) if plan.new_requests else None
+        with self.tracer.start_as_current_span("worker.step", context=parent) as span:
+            outcome = self.runner.execute(plan)
+            span.set_attribute("textgen.step_id", plan.step_id)
+            span.set_attribute("textgen.num_tokens", outcome.result.num_tokens)
+        result = outcome.result
+        self.metrics.step_duration.observe(result.step_s)
+        self.metrics.forward_duration.observe(result.forward_s)
+        self.metrics.batch_tokens.observe(result.num_tokens)
+        self.metrics.generated_tokens.inc(sum(len(o.token_ids) for o in result.outputs))
+        self.metrics.requests.set(len(self.runner.requests))
+        if result.error:
+            self.metrics.step_failures.inc()
+        log.debug("step %d: %d tokens in %.2f ms", plan.step_id, result.num_tokens,
+                  result.step_s * 1e3)
+        return outcome
+
+    async def _publish(self, outcome: StepOutcome) -> None:
+        """One PUBLISH per gateway, then the result, in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for reply_to, events in outcome.events.items():
+                pipe.publish(reply_to, encode(ReplyBatch(events=events)))
+            pipe.xadd(
+                self.channels.results(self.group),
+                stream_fields(outcome.result),
+                maxlen=RESULTS_MAXLEN,
+                approximate=True,
+            )
+            await pipe.execute()
+
+    async def _beat(self) -> None:
+        beat = Heartbeat(
+            group=self.group,
+            at=time.time(),
+            last_step_id=self.last_step_id,
+            num_requests=len(self.runner.requests),
+        )
+        await self.redis.set(self.channels.heartbeat(self.group), encode(beat), ex=HEARTBEAT_TTL_S)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            try:
+                await self._beat()
+            except (aioredis.ConnectionError, OSError) as exc:
+                log.warning("heartbeat failed: %s", exc)
