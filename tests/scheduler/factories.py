@@ -1,0 +1,63 @@
+"""Build schedulers and requests from a few knobs."""
+
+from __future__ import annotations
+
+import itertools
+
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from shared.messages import (
+    FinishReason,
+    GenerateRequest,
+    RequestOutput,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    StoppingParams,
+)
+
+_ids = itertools.count()
+
+
+def request(num_prompt_tokens: int, max_new_tokens: int = 8, priority: int = 0,
+            deadline: float = 0.0) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=f"q{next(_ids)}",
+        input_ids=list(range(1, num_prompt_tokens + 1)),
+        sampling=SamplingParams(),
+        stopping=StoppingParams(max_new_tokens=max_new_tokens),
+        reply_to="reply",
+        created_at=0.0,
+        deadline=deadline,
+        priority=priority,
+    )
+
+
+def scheduler(num_blocks: int = 64, block_size: int = 4, prefill: int = 32,
+              max_batch_size: int = 16, clock=lambda: 100.0) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(num_blocks=num_blocks, block_size=block_size,
+                        max_batch_prefill_tokens=prefill, max_batch_size=max_batch_size),
+        clock=clock,
+    )
+
+
+def scheduled(plan: StepPlan) -> dict[str, int]:
+    """request_id -> tokens scheduled in the plan."""
+    out = {n.request_id: n.num_scheduled_tokens for n in plan.new_requests}
+    out.update({r.request_id: r.num_scheduled_tokens for r in plan.running})
+    return out
+
+
+def answer(s: Scheduler, plan: StepPlan, finish: set[str] = frozenset()) -> StepResult:
+    """A worker's result for `plan`: one token for each request that reached its last token."""
+    outputs = []
+    for request_id in scheduled(plan):
+        r = s.requests[request_id]
+        if r.num_computed_tokens == len(r.token_ids):
+            reason = FinishReason.LENGTH if request_id in finish else None
+            outputs.append(RequestOutput(request_id=request_id, token_ids=[7], finish_reason=reason))
+        else:
+            outputs.append(RequestOutput(request_id=request_id))
+    result = StepResult(step_id=plan.step_id, outputs=outputs)
+    s.update(result)
+    return result
