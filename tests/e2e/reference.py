@@ -1,0 +1,32 @@
+"""The correctness oracle: transformers' own generate, greedy."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+
+@lru_cache(maxsize=4)
+def reference_model(folder: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
+
+
+@lru_cache(maxsize=4)
+def tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def greedy_ids(folder: Path, prompt: str, max_new_tokens: int, eos_token_ids: list[int]) -> list[int]:
+    input_ids = tokenizer(folder)(prompt).input_ids
+    with torch.inference_mode():
+        out = reference_model(folder).generate(
+            torch.tensor([input_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+            eos_token_id=eos_token_ids, pad_token_id=0,
+        )
+    return out[0, len(input_ids):].tolist()

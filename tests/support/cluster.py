@@ -1,0 +1,124 @@
+"""Real services as child processes (`python -m services.launcher.cli ...`) on a private Redis:
+N worker groups (worker + scheduler each) and M gateways, each on its own port."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import redis
+
+from shared.channels import Channels
+from shared.codec import decode
+from shared.messages import SchedulerStats
+from tests.support.redis_server import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Cluster:
+    redis_url: str
+    namespace: str
+    model: Path
+    num_groups: int = 1
+    num_gateways: int = 1
+    args: list[str] = field(default_factory=list)  # extra flags for every service
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    logs: dict[str, Path] = field(default_factory=dict)
+    gateway_urls: list[str] = field(default_factory=list)
+
+    @property
+    def groups(self) -> list[str]:
+        return [f"g{i}" for i in range(self.num_groups)]
+
+    def _spawn(self, name: str, command: str, *flags: str) -> None:
+        log = Path(tempfile.mkstemp(prefix=f"textgen-{name}-", suffix=".log")[1])
+        self.logs[name] = log
+        argv = [sys.executable, "-m", "services.launcher.cli", command,
+                "--redis-url", self.redis_url, "--namespace", self.namespace,
+                "--model-id", str(self.model), *self.args, *flags]
+        self.processes[name] = subprocess.Popen(
+            argv, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT
+        )
+
+    def start(self, timeout: float = 180.0) -> "Cluster":
+        for group in self.groups:
+            self._spawn(f"worker-{group}", "worker", "--group", group)
+            self._spawn(f"scheduler-{group}", "scheduler", "--group", group)
+        for i in range(self.num_gateways):
+            port = free_port()
+            self._spawn(f"gateway-{i}", "gateway", "--port", str(port), "--hostname", "127.0.0.1",
+                        "--gateway-id", f"gw{i}")
+            self.gateway_urls.append(f"http://127.0.0.1:{port}")
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = set(self.gateway_urls)
+        client = redis.Redis.from_url(self.redis_url)
+        channels = Channels(self.namespace)
+        while time.monotonic() < deadline:
+            self.check_alive()
+            for url in list(pending):
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        pending.discard(url)
+                except httpx.HTTPError:
+                    pass
+            groups_ready = all(client.exists(channels.worker(g)) for g in self.groups)
+            if not pending and groups_ready:
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"cluster not ready in {timeout} s\n{self.log_tails()}")
+
+    def check_alive(self) -> None:
+        for name, process in self.processes.items():
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {process.returncode}\n{self.log_tails()}")
+
+    def stats(self) -> dict[str, SchedulerStats]:
+        client = redis.Redis.from_url(self.redis_url)
+        channels = Channels(self.namespace)
+        out = {}
+        for group in self.groups:
+            data = client.get(channels.scheduler_stats(group))
+            if data is not None:
+                out[group] = decode(data, SchedulerStats)
+        return out
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, SchedulerStats]:
+        """Stats once every group has no request and every block is free again."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            idle = len(stats) == self.num_groups and all(
+                s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_blocks
+                for s in stats.values()
+            )
+            if idle or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.1)
+
+    def log_tails(self, num_chars: int = 3000) -> str:
+        parts = []
+        for name, log in self.logs.items():
+            text = log.read_text(errors="replace") if log.exists() else ""
+            parts.append(f"--- {name} ---\n{text[-num_chars:]}")
+        return "\n".join(parts)
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()

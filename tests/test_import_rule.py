@@ -1,0 +1,59 @@
+"""Services import `shared`, never each other; `shared` imports no service; the gateway and the
+scheduler never import torch (checked on the source, and by importing them in a clean
+interpreter)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SERVICES = ["gateway", "scheduler", "worker", "launcher"]
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_services_import_only_shared_and_themselves():
+    offenders = []
+    for service in SERVICES:
+        for path in (REPO / "services" / service).rglob("*.py"):
+            for name in imported_modules(path):
+                parts = name.split(".")
+                if parts[0] == "services" and len(parts) > 1 and parts[1] != service:
+                    if service == "launcher" and path.name == "cli.py":
+                        continue  # the CLI dispatches to each service's run()
+                    offenders.append(f"{path.relative_to(REPO)} imports {name}")
+    assert offenders == []
+
+
+def test_shared_imports_no_service():
+    offenders = [
+        f"{path.relative_to(REPO)} imports {name}"
+        for path in (REPO / "shared").rglob("*.py")
+        for name in imported_modules(path)
+        if name.split(".")[0] == "services"
+    ]
+    assert offenders == []
+
+
+def test_gateway_and_scheduler_do_not_load_torch():
+    code = (
+        "import sys\n"
+        "import services.gateway.app, services.gateway.main\n"
+        "import services.scheduler.service, services.scheduler.main\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
