@@ -1,0 +1,78 @@
+"""Reading a JSON request body the way TGI's axum `Json` extractor does.
+
+The raw body is read here (not by FastAPI) so that every rejection has TGI's status and
+plain-text message: 415 wrong Content-Type, 413 too large, 400 not JSON, 422 wrong shape.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TypeVar
+
+import pydantic
+from fastapi import Request
+
+from services.gateway.errors import BodyError
+
+T = TypeVar("T", bound=pydantic.BaseModel)
+
+CONTENT_TYPE_TEXT = "Expected request with `Content-Type: application/json`"
+TOO_LARGE_TEXT = "Failed to buffer the request body: length limit exceeded"
+
+
+def is_json_content_type(value: str | None) -> bool:
+    """`application/json` or any `application/*+json`, parameters (charset) allowed."""
+    if not value:
+        return False
+    mime = value.split(";", 1)[0].strip().lower()
+    if not mime.startswith("application/"):
+        return False
+    subtype = mime[len("application/"):]
+    return subtype == "json" or subtype.endswith("+json")
+
+
+async def read_body(request: Request, payload_limit: int) -> bytes:
+    """The raw body, refusing (413) as soon as it grows past `payload_limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > payload_limit:
+        raise BodyError(413, TOO_LARGE_TEXT)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > payload_limit:
+            raise BodyError(413, TOO_LARGE_TEXT)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def describe_errors(exc: pydantic.ValidationError) -> str:
+    """A one-line serde-like description of the first shape error."""
+    first = exc.errors()[0]
+    location = ".".join(str(part) for part in first["loc"])
+    prefix = f"{location}: " if location else ""
+    return f"{prefix}{first['msg']} (got {json.dumps(first.get('input'), default=str)[:80]})"
+
+
+def parse_body(raw: bytes, content_type: str | None, model: type[T]) -> T:
+    """Decode a body already read; raise BodyError with TGI's status and text."""
+    if not is_json_content_type(content_type):
+        raise BodyError(415, CONTENT_TYPE_TEXT)
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BodyError(400, f"Failed to parse the request body as JSON: {exc}") from exc
+    try:
+        return model.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise BodyError(
+            422, f"Failed to deserialize the JSON body into the target type: {describe_errors(exc)}"
+        ) from exc
+
+
+async def read_json(request: Request, model: type[T], payload_limit: int) -> T:
+    """Read and decode the request body into `model` (raises BodyError)."""
+    if not is_json_content_type(request.headers.get("content-type")):
+        raise BodyError(415, CONTENT_TYPE_TEXT)
+    raw = await read_body(request, payload_limit)
+    return parse_body(raw, request.headers.get("content-type"), model)
