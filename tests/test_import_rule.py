@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SERVICES = ["gateway", "scheduler", "worker", "launcher"]
+SERVICES = sorted(p.name for p in (REPO / "services").iterdir() if (p / "__init__.py").exists())
 
 
 def imported_modules(path: Path) -> set[str]:

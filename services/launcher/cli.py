@@ -17,6 +17,9 @@ COMMANDS = {
     "scheduler": "the scheduler of one worker group",
     "worker": "a worker group: the model, its KV cache and sampling",
 }
+TOOLS = {
+    "bench": "tokens/s of the server against transformers' generate on the same prompts",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,12 +27,20 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in COMMANDS.items():
         add_settings_flags(commands.add_parser(name, help=help_text, description=help_text))
+    from services.bench.main import add_bench_flags
+
+    add_bench_flags(commands.add_parser("bench", help=TOOLS["bench"], description=TOOLS["bench"]))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from services.bench.main import run as run_bench
+
+        setup_logging("bench", "WARNING")
+        return run_bench(args)
     try:
         settings = settings_from_args(args)
     except ValueError as exc:
