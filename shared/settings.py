@@ -46,6 +46,7 @@ class Settings(BaseSettings):
     max_queue_length: int = Field(10_000, description="requests waiting in the stream; 429 beyond")
 
     # --- gateway ----------------------------------------------------------------------------
+    # env TEXTGEN_HOSTNAME, not HOSTNAME: Docker and Kubernetes set HOSTNAME to the container name
     hostname: str = "0.0.0.0"
     port: int = 3000
     gateway_id: str | None = Field(None, description="reply channel suffix; random when unset")
@@ -72,6 +73,17 @@ class Settings(BaseSettings):
     num_shard: int = Field(1, description="tensor-parallel ranks in the worker group")
     quantize: str | None = None
     trust_remote_code: bool = False
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+    ):
+        env_vars = getattr(env_settings, "env_vars", None)
+        if isinstance(env_vars, dict):
+            env_vars.pop("hostname", None)
+            if "textgen_hostname" in env_vars:
+                env_vars["hostname"] = env_vars["textgen_hostname"]
+        return init_settings, env_settings, dotenv_settings, file_secret_settings
 
     @model_validator(mode="after")
     def _check(self) -> "Settings":
