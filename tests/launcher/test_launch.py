@@ -1,0 +1,109 @@
+"""`textgen launch` (what `make serve` runs): an embedded Redis and every service, ready when a
+real generation works; Ctrl-C/SIGTERM stops everything; a dying child stops everything."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.redis_server import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.integration
+
+
+def children_of(pid: int) -> list[int]:
+    result = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(line) for line in result.stdout.split()]
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "zombie" in status.read_text())
+
+
+def launch(model: Path, port: int) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("REDIS_URL", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.launcher.cli", "launch", "--model-id", str(model),
+         "--port", str(port)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+
+
+def wait_for_line(process: subprocess.Popen, needle: str, timeout: float = 180) -> str:
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line and process.poll() is not None:
+            break
+        seen.append(line)
+        if needle in line:
+            return line
+    raise AssertionError(f"{needle!r} not printed:\n{''.join(seen)[-4000:]}")
+
+
+@pytest.fixture
+def launched(stories_model):
+    port = free_port()
+    process = launch(stories_model, port)
+    try:
+        ready = wait_for_line(process, "textgen is ready")
+        yield process, port, ready
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_launch_serves_the_readme_curl_and_stops_on_sigterm(launched):
+    process, port, ready = launched
+    assert f"http://127.0.0.1:{port}" in ready
+    pids = children_of(process.pid)
+    assert len(pids) >= 4  # redis-server, worker, scheduler, gateway
+    # the README's example, through curl
+    body = json.dumps({"inputs": "Once upon a time", "parameters": {"max_new_tokens": 40}})
+    out = subprocess.run(
+        ["curl", "-s", f"localhost:{port}/generate", "-H", "Content-Type: application/json",
+         "-d", body], capture_output=True, text=True, timeout=60,
+    )
+    assert json.loads(out.stdout)["generated_text"].startswith(
+        ", there was a little girl named Lily."
+    )
+    stream = httpx.post(f"http://127.0.0.1:{port}/generate_stream", timeout=60,
+                        json={"inputs": "Once upon a time", "parameters": {"max_new_tokens": 5}})
+    assert stream.text.count("data:") == 5
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 0
+    deadline = time.monotonic() + 15
+    while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(is_alive(pid) for pid in pids)
+
+
+def test_launch_stops_everything_when_a_child_dies(launched):
+    process, _port, _ready = launched
+    pids = children_of(process.pid)
+    commands = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in pids}
+    worker = next(pid for pid, argv in commands.items() if b"worker" in argv)
+    os.kill(worker, signal.SIGKILL)
+    assert process.wait(timeout=30) == 1
+    assert "the worker exited with code -9; stopping everything" in process.stdout.read()
+    deadline = time.monotonic() + 15
+    while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(is_alive(pid) for pid in pids)
