@@ -13,6 +13,9 @@ that request's cached tokens:
 
 Query j of a request with q_len queries and context_len keys sits at position
 context_len - q_len + j and sees keys 0..that position (causal).
+
+Decodes (one query each) are attended together in one call over their block tables padded to
+the longest context (`DecodeGroup`); prompt chunks are attended one request at a time.
 """
 
 from __future__ import annotations
@@ -29,12 +32,38 @@ METADATA_KWARG = "textgen_attention"
 
 
 @dataclass
+class DecodeGroup:
+    rows: torch.Tensor  # [num_decodes] packed index of each decode query
+    slots: torch.Tensor  # [num_decodes, max_context_len] context slots, padded with slot 0
+    mask: torch.Tensor  # [num_decodes, 1, 1, max_context_len] True on real (unpadded) keys
+
+
+@dataclass
 class AttentionMetadata:
     kv_cache: PagedKVCache
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each packed token
     query_start: list[int]  # [num_requests + 1] offsets of each request's queries
     context_lens: list[int]  # [num_requests] cached tokens per request after this step
     context_slots: list[torch.Tensor]  # per request: [context_len] slots of all its tokens
+    decodes: DecodeGroup | None = None  # single-query requests, attended together
+    prefill_indices: list[int] | None = None  # requests attended one by one (None: all)
+
+
+def make_decode_group(
+    rows: list[int], context_slots: list[torch.Tensor], device: torch.device
+) -> DecodeGroup:
+    """Pad the decodes' context slots into one [num_decodes, max_context_len] table."""
+    lengths = torch.tensor([len(s) for s in context_slots])
+    max_len = int(lengths.max())
+    slots = torch.zeros(len(rows), max_len, dtype=torch.long)
+    for i, row_slots in enumerate(context_slots):
+        slots[i, : len(row_slots)] = row_slots
+    mask = torch.arange(max_len)[None, :] < lengths[:, None]
+    return DecodeGroup(
+        rows=torch.tensor(rows, dtype=torch.long, device=device),
+        slots=slots.to(device),
+        mask=mask[:, None, None, :].to(device),
+    )
 
 
 def _causal_mask(q_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor:
@@ -72,7 +101,11 @@ def paged_attention_forward(
     out = torch.empty(
         num_tokens, query.shape[1], query.shape[3], dtype=query.dtype, device=query.device
     )  # [num_tokens, num_heads, head_dim]
-    for i, context_len in enumerate(meta.context_lens):
+    if meta.decodes is not None:
+        _attend_decodes(meta.decodes, query, k_cache, v_cache, out, scaling, sliding_window)
+    indices = meta.prefill_indices
+    for i in range(len(meta.context_lens)) if indices is None else indices:
+        context_len = meta.context_lens[i]
         start, end = meta.query_start[i], meta.query_start[i + 1]
         q = query[0, :, start:end]  # [num_heads, q_len, head_dim]
         slots = meta.context_slots[i]
@@ -89,6 +122,29 @@ def paged_attention_forward(
         )  # [num_heads, q_len, head_dim]
         out[start:end] = attended.transpose(0, 1)
     return out.unsqueeze(0), None  # [1, num_tokens, num_heads, head_dim]
+
+
+def _attend_decodes(
+    group: DecodeGroup,
+    query: torch.Tensor,  # [1, num_heads, num_tokens, head_dim]
+    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    scaling: float | None,
+    sliding_window: int | None,
+) -> None:
+    q = query[0][:, group.rows].transpose(0, 1).unsqueeze(2)  # [n, num_heads, 1, head_dim]
+    k = k_cache[group.slots].permute(0, 2, 1, 3).to(q.dtype)  # [n, kv_heads, max_len, head_dim]
+    v = v_cache[group.slots].permute(0, 2, 1, 3).to(q.dtype)
+    mask = group.mask
+    if sliding_window:
+        lengths = mask.sum(-1, keepdim=True)  # [n, 1, 1, 1]
+        positions = torch.arange(mask.shape[-1], device=mask.device)
+        mask = mask & (positions > lengths - 1 - sliding_window)
+    attended = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+    )  # [n, num_heads, 1, head_dim]
+    out[group.rows] = attended[:, :, 0]
 
 
 def register() -> None:

@@ -15,7 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.kv_cache import PagedKVCache
-from services.worker.paged_attention import METADATA_KWARG, AttentionMetadata
+from services.worker.paged_attention import (
+    METADATA_KWARG,
+    AttentionMetadata,
+    make_decode_group,
+)
 from services.worker.sampling import Sampled, needs_own_row, sample_greedy_batch, sample_one
 from services.worker.state import RequestState, stop_reason
 from shared.messages import RequestOutput, StepPlan, StepResult, TokenEvent
@@ -119,6 +123,7 @@ class ModelRunner:
             if state.samples_this_step:
                 sample_rows.append(query_start[-1] - 1)
                 sampling.append(state)
+        decode_indices = [i for i, s in enumerate(scheduled) if s.num_scheduled_tokens == 1]
         metadata = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=torch.cat(slot_chunks).to(self.device),
@@ -126,6 +131,14 @@ class ModelRunner:
             context_lens=context_lens,
             context_slots=context_slots,
         )
+        if len(decode_indices) > 1:
+            metadata.decodes = make_decode_group(
+                [query_start[i] for i in decode_indices],
+                [context_slots[i] for i in decode_indices],
+                self.device,
+            )
+            is_decode = set(decode_indices)
+            metadata.prefill_indices = [i for i in range(len(scheduled)) if i not in is_decode]
         return PackedBatch(
             input_ids=torch.tensor([input_ids], dtype=torch.long, device=self.device),
             position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
