@@ -1,0 +1,94 @@
+"""The gateway's FastAPI app: `create_app(settings)`.
+
+The factory loads the tokenizer and resolves limits (so a bad model folder fails at start-up);
+the lifespan connects Redis, starts the single reply subscription and builds the Generator.
+Redis being down does not stop the app: generation answers 503 and the subscription retries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+from importlib import metadata
+
+from fastapi import FastAPI
+
+from services.gateway import info_routes, tgi_routes
+from services.gateway.generation import Generator
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.replies import ReplyRouter
+from services.gateway.state import Admission, GatewayState
+from services.gateway.tokenizer import TextTokenizer
+from services.gateway.validation import Limits
+from shared.bus import connect
+from shared.channels import Channels
+from shared.model_files import TOKENIZER_FILES, context_length, resolve_model_dir
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("textgen")
+    except metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+def build_state(settings: Settings) -> GatewayState:
+    folder = resolve_model_dir(settings.model_id, settings.revision, TOKENIZER_FILES)
+    tokenizer = TextTokenizer.from_folder(folder)
+    max_input, max_total = settings.resolved_limits(context_length(folder))
+    limits = Limits(
+        max_input_tokens=max_input,
+        max_total_tokens=max_total,
+        max_best_of=settings.max_best_of,
+        max_stop_sequences=settings.max_stop_sequences,
+        max_top_n_tokens=settings.max_top_n_tokens,
+    )
+    return GatewayState(
+        settings=settings,
+        limits=limits,
+        tokenizer=tokenizer,
+        channels=Channels(settings.namespace),
+        gateway_id=settings.gateway_id or secrets.token_hex(8),
+        metrics=GatewayMetrics(max_input, max_total),
+        admission=Admission(settings.max_concurrent_requests),
+        compute_type=os.environ.get("COMPUTE_TYPE", "gpu+optimized"),
+        version=package_version(),
+    )
+
+
+def create_app(settings: Settings) -> FastAPI:
+    state = build_state(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if not settings.redis_url:
+            raise RuntimeError("the gateway needs --redis-url")
+        state.client = connect(settings.redis_url)
+        state.router = ReplyRouter(state.client, state.channels.reply(state.gateway_id))
+        state.generator = Generator(
+            state.client, state.router, state.tokenizer, state.channels, state.metrics,
+            settings.request_timeout, settings.max_queue_length,
+        )
+        await state.router.start()
+        if not await state.router.wait_subscribed(timeout=2.0):
+            log.warning("Redis at %s unreachable; answering 503 until it is back",
+                        settings.redis_url)
+        log.info("gateway %s ready: model %s, limits %s", state.gateway_id, settings.model_id,
+                 state.limits)
+        try:
+            yield
+        finally:
+            await state.generator.drain()
+            await state.router.stop()
+            await state.client.aclose()
+
+    app = FastAPI(title="textgen", version=state.version, lifespan=lifespan)
+    app.state.gateway = state
+    app.include_router(tgi_routes.router)
+    app.include_router(info_routes.router)
+    return app

@@ -1,0 +1,348 @@
+"""One generation, from a validated request to a stream of API-level tokens.
+
+`Generator.stream()` sends the GenerateRequest (XADD on the request stream), waits for the
+worker's TokenEvents (demultiplexed by ReplyRouter), detokenizes them incrementally, matches
+stop strings, and yields `Token` items then one `Finished`. It aborts the request on the bus
+(PUBLISH on the aborts channel) when the client goes away, a stop string matches, or the
+deadline passes. /generate, /generate_stream and the OpenAI routes all consume it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from redis.exceptions import RedisError
+
+from services.gateway.errors import GatewayError, generation_failed, overloaded, unavailable
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.replies import ReplyRouter
+from services.gateway.stops import StopSequenceMatcher
+from services.gateway.tokenizer import IncrementalDetokenizer, TextTokenizer
+from services.gateway.validation import ValidatedParameters
+from shared.bus import stream_fields
+from shared.channels import Channels
+from shared.codec import encode
+from shared.messages import (
+    AbortRequest,
+    FinishReason,
+    GenerateRequest,
+    StoppingParams,
+    TokenEvent,
+)
+from shared.telemetry import inject_traceparent, tracer
+
+log = logging.getLogger(__name__)
+REDIS_TIMEOUT_S = 2.0  # a Redis call slower than this is treated as Redis being unreachable
+
+
+@dataclass
+class Token:
+    """One generated token as the API shows it."""
+
+    index: int  # 1-based position among generated tokens
+    id: int
+    text: str
+    logprob: float | None
+    special: bool
+    top_tokens: list[Token] = field(default_factory=list)
+    finished: Finished | None = None  # set on the last token of the generation
+
+
+@dataclass
+class Finished:
+    """The end of a generation."""
+
+    generated_text: str  # special tokens skipped, cut after a stop string
+    finish_reason: FinishReason
+    num_generated_tokens: int
+    num_input_tokens: int
+    seed: int | None  # null for greedy requests
+    validation_s: float
+    queue_s: float
+    inference_s: float
+    total_s: float
+
+
+class DeadlineExceeded(GatewayError):
+    """No token event arrived before the request's deadline."""
+
+    def __init__(self, timeout_s: float):
+        super().__init__(
+            424, "Request failed during generation: no result before the request deadline "
+            f"({timeout_s:g} s)", "generation",
+        )
+
+
+class KeepAlive:
+    """Yielded when nothing happened for `keepalive_s` (SSE sends a comment)."""
+
+
+@dataclass
+class Prepared:
+    """A request ready to send: validated and tokenized."""
+
+    inputs: str
+    input_ids: list[int]
+    params: ValidatedParameters
+    max_new_tokens: int
+    arrived_at: float  # unix s the HTTP request arrived
+
+
+def finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+class _Decoder:
+    """Per-request text state: detokenizer, stop matcher, generated text."""
+
+    def __init__(self, tokenizer: TextTokenizer, prepared: Prepared):
+        self.tokenizer = tokenizer
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prepared.input_ids)
+        self.matcher = StopSequenceMatcher(prepared.params.stop)
+        self.num_tokens = 0
+        self.stop_end: int | None = None
+
+    def token(self, event: TokenEvent, position: int) -> Token:
+        token_id = event.token_ids[position]
+        self.num_tokens += 1
+        text = self.detokenizer.add(token_id)
+        is_special = self.tokenizer.is_special(token_id)
+        if not is_special and self.stop_end is None:
+            self.stop_end = self.matcher.feed(text)
+        tops = event.top_tokens[position] if position < len(event.top_tokens) else []
+        return Token(
+            index=event.index + position if event.index else self.num_tokens,
+            id=token_id,
+            text=text,
+            logprob=finite(event.logprobs[position]) if position < len(event.logprobs) else None,
+            special=is_special,
+            top_tokens=[
+                Token(0, top.id, self.tokenizer.token_text(top.id), finite(top.logprob),
+                      self.tokenizer.is_special(top.id))
+                for top in tops
+            ],
+        )
+
+    def flush(self) -> str:
+        text = self.detokenizer.flush()
+        self.matcher.feed(text)
+        return text
+
+    @property
+    def generated_text(self) -> str:
+        text = self.matcher.text
+        return text if self.stop_end is None else text[: self.stop_end]
+
+
+class Generator:
+    """Sends requests to the schedulers and turns token events into API tokens."""
+
+    def __init__(
+        self, client: aioredis.Redis, router: ReplyRouter, tokenizer: TextTokenizer,
+        channels: Channels, metrics: GatewayMetrics, request_timeout: float,
+        max_queue_length: int,
+    ):
+        self.client = client
+        self.router = router
+        self.tokenizer = tokenizer
+        self.channels = channels
+        self.metrics = metrics
+        self.request_timeout = request_timeout
+        self.max_queue_length = max_queue_length
+        self._background: set[asyncio.Task] = set()
+        self.num_queued = 0  # requests sent and waiting for their first event
+        self.num_running = 0  # requests with at least one event
+
+    async def stream(
+        self, prepared: Prepared, keepalive_s: float | None = None
+    ) -> AsyncIterator[Token | Finished | KeepAlive]:
+        """Run one generation; raises GatewayError on failure.
+
+        Yields each Token (the last one carries `finished`), then the Finished itself, and
+        KeepAlive after `keepalive_s` of silence when asked.
+        """
+        request_id = uuid.uuid4().hex
+        span = tracer(__name__).start_span("gateway.generate", attributes={
+            "request_id": request_id, "num_input_tokens": len(prepared.input_ids)})
+        queue = self.router.register(request_id)
+        outcome = "dropped"  # what happened, unless the loop below says otherwise
+        try:
+            message = self._message(request_id, prepared, span)
+            await self._send(message)
+            enqueued_at = time.time()
+            async for item in self._consume(queue, message, prepared, enqueued_at, keepalive_s):
+                if isinstance(item, Finished):
+                    outcome = "stop_sequence" if self._needs_abort(item) else "finished"
+                    self._log_finished(request_id, item)
+                yield item
+        except GatewayError as exc:
+            outcome = "deadline" if isinstance(exc, DeadlineExceeded) else "failed"
+            span.set_attribute("error", exc.message)
+            raise
+        finally:
+            self.router.unregister(request_id)
+            if outcome in ("dropped", "deadline", "stop_sequence"):
+                self._abort(request_id, outcome)
+            if outcome == "dropped":
+                self.metrics.request_failed("dropped")
+                log.info("request %s dropped by the client", request_id)
+            span.end()
+
+    def _needs_abort(self, finished: Finished) -> bool:
+        return finished.finish_reason == FinishReason.STOP_SEQUENCE
+
+    def _message(self, request_id: str, prepared: Prepared, span: trace.Span) -> GenerateRequest:
+        token = otel_context.attach(trace.set_span_in_context(span))
+        try:
+            traceparent = inject_traceparent()
+        finally:
+            otel_context.detach(token)
+        created_at = time.time()
+        return GenerateRequest(
+            request_id=request_id,
+            input_ids=prepared.input_ids,
+            sampling=prepared.params.sampling,
+            stopping=StoppingParams(max_new_tokens=prepared.max_new_tokens),
+            reply_to=self.router.channel,
+            created_at=created_at,
+            deadline=created_at + self.request_timeout,
+            traceparent=traceparent,
+        )
+
+    async def _send(self, message: GenerateRequest) -> None:
+        if not self.router.is_subscribed:
+            raise unavailable("not connected to Redis (reply channel not subscribed)")
+        try:
+            async with asyncio.timeout(REDIS_TIMEOUT_S):
+                if await self.client.xlen(self.channels.requests) > self.max_queue_length:
+                    raise overloaded()
+                await self.client.xadd(self.channels.requests, stream_fields(message))
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise unavailable(f"Redis unreachable ({type(exc).__name__}: {exc})") from exc
+        self.metrics.max_new_tokens.observe(message.stopping.max_new_tokens)
+
+    async def _next_event(
+        self, queue: asyncio.Queue[TokenEvent], deadline: float, keepalive_s: float | None
+    ) -> TokenEvent | None:
+        """The next event; None after `keepalive_s` of silence; raises at the deadline."""
+        remaining = deadline - time.time()
+        wait = remaining if keepalive_s is None else min(remaining, keepalive_s)
+        try:
+            if wait <= 0:
+                raise TimeoutError
+            return await asyncio.wait_for(queue.get(), wait)
+        except TimeoutError:
+            if time.time() < deadline:
+                return None
+            raise DeadlineExceeded(self.request_timeout) from None
+
+    async def _consume(
+        self, queue: asyncio.Queue[TokenEvent], message: GenerateRequest, prepared: Prepared,
+        enqueued_at: float, keepalive_s: float | None,
+    ) -> AsyncIterator[Token | Finished | KeepAlive]:
+        decoder = _Decoder(self.tokenizer, prepared)
+        scheduled_at: float | None = None
+        self._count(queued=1)
+        try:
+            while True:
+                event = await self._next_event(queue, message.deadline, keepalive_s)
+                if event is None:
+                    yield KeepAlive()
+                    continue
+                if scheduled_at is None:
+                    scheduled_at = min(event.scheduled_at or time.time(), time.time())
+                    self._count(queued=-1, running=1)
+                if event.error:
+                    raise generation_failed(event.error, event.error_type)
+                for position in range(len(event.token_ids)):
+                    token = decoder.token(event, position)
+                    is_last = position == len(event.token_ids) - 1
+                    reason = FinishReason.STOP_SEQUENCE if decoder.stop_end is not None else (
+                        event.finish_reason if is_last else None)
+                    if reason is not None:
+                        if reason != FinishReason.STOP_SEQUENCE:
+                            token.text += decoder.flush()
+                        token.finished = self._finished(
+                            decoder, prepared, reason, enqueued_at, scheduled_at)
+                        yield token
+                        yield token.finished
+                        return
+                    yield token
+                if event.finish_reason is not None:  # a final event without tokens
+                    decoder.flush()
+                    yield self._finished(
+                        decoder, prepared, event.finish_reason, enqueued_at, scheduled_at)
+                    return
+        finally:
+            self._count(queued=-1 if scheduled_at is None else 0,
+                        running=0 if scheduled_at is None else -1)
+
+    def _count(self, queued: int = 0, running: int = 0) -> None:
+        self.num_queued += queued
+        self.num_running += running
+        self.metrics.queue_size.set(self.num_queued)
+        self.metrics.batch_current_size.set(self.num_running)
+
+    def _finished(
+        self, decoder: _Decoder, prepared: Prepared, reason: FinishReason,
+        enqueued_at: float, scheduled_at: float,
+    ) -> Finished:
+        now = time.time()
+        scheduled_at = max(scheduled_at, enqueued_at)
+        finished = Finished(
+            generated_text=decoder.generated_text,
+            finish_reason=reason,
+            num_generated_tokens=decoder.num_tokens,
+            num_input_tokens=len(prepared.input_ids),
+            seed=prepared.params.reported_seed,
+            validation_s=enqueued_at - prepared.arrived_at,
+            queue_s=scheduled_at - enqueued_at,
+            inference_s=now - scheduled_at,
+            total_s=now - prepared.arrived_at,
+        )
+        self.metrics.request_succeeded(
+            total_s=finished.total_s, validation_s=finished.validation_s,
+            queue_s=finished.queue_s, inference_s=finished.inference_s,
+            num_input_tokens=finished.num_input_tokens,
+            num_generated_tokens=finished.num_generated_tokens,
+        )
+        return finished
+
+    def _log_finished(self, request_id: str, finished: Finished) -> None:
+        log.info(
+            "request %s finished: %s, input_tokens=%d generated_tokens=%d total=%.3fs "
+            "validation=%.3fs queue=%.3fs inference=%.3fs",
+            request_id, finished.finish_reason.value, finished.num_input_tokens,
+            finished.num_generated_tokens, finished.total_s, finished.validation_s,
+            finished.queue_s, finished.inference_s,
+        )
+        log.debug("request %s generated_text=%r seed=%s", request_id,
+                  finished.generated_text[:200], finished.seed)
+
+    def _abort(self, request_id: str, reason: str) -> None:
+        """PUBLISH an AbortRequest in the background: the caller may be being cancelled."""
+        task = asyncio.get_running_loop().create_task(self._publish_abort(request_id, reason))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _publish_abort(self, request_id: str, reason: str) -> None:
+        data = encode(AbortRequest(request_id=request_id, reason=reason))
+        try:
+            async with asyncio.timeout(REDIS_TIMEOUT_S):
+                await self.client.publish(self.channels.aborts, data)
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.warning("could not publish abort of %s: %s", request_id, exc)
+
+    async def drain(self) -> None:
+        """Wait for background aborts (shutdown)."""
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=REDIS_TIMEOUT_S)

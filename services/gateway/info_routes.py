@@ -1,0 +1,108 @@
+"""Info and operations routes: /info, /health (+ GET /, /ping, /ready), /live, /metrics and
+POST /tokenize. Only /tokenize is protected by --api-key, as in TGI."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from redis.exceptions import RedisError
+
+from services.gateway.errors import ValidationError, unhealthy
+from services.gateway.metrics import CONTENT_TYPE
+from services.gateway.schemas import TokenizeBody
+from services.gateway.state import GatewayState
+from services.gateway.tgi_routes import decode, gateway
+from services.gateway.tokenizer import TokenizerError
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+HEALTH_TIMEOUT_S = 2.0
+
+
+async def has_ready_group(state: GatewayState) -> bool:
+    """Redis answers and some worker group has its WorkerReady key and a live heartbeat."""
+    client, channels = state.client, state.channels
+    try:
+        async with asyncio.timeout(HEALTH_TIMEOUT_S):
+            groups = await client.smembers(channels.groups)
+            if not groups:
+                return False
+            async with client.pipeline(transaction=False) as pipe:
+                for raw in groups:
+                    group = raw.decode() if isinstance(raw, bytes) else str(raw)
+                    pipe.exists(channels.worker(group), channels.heartbeat(group))
+                counts = await pipe.execute()
+    except (RedisError, OSError, TimeoutError) as exc:
+        log.debug("health check: Redis unreachable: %s", exc)
+        return False
+    return any(count == 2 for count in counts)
+
+
+async def health(request: Request) -> Response:
+    if await has_ready_group(gateway(request)):
+        return Response(status_code=200)
+    return unhealthy().response()
+
+
+for path in ("/health", "/", "/ping", "/ready"):
+    router.add_api_route(path, health, methods=["GET"], include_in_schema=path == "/health")
+
+
+@router.get("/live")
+async def live() -> Response:
+    return Response(status_code=200)
+
+
+@router.get("/info")
+async def info(request: Request) -> JSONResponse:
+    state = gateway(request)
+    settings, limits = state.settings, state.limits
+    return JSONResponse(
+        {
+            "model_id": settings.model_id,
+            "model_sha": None,
+            "model_pipeline_tag": None,
+            "max_concurrent_requests": settings.max_concurrent_requests,
+            "max_best_of": limits.max_best_of,
+            "max_stop_sequences": limits.max_stop_sequences,
+            "max_input_tokens": limits.max_input_tokens,
+            "max_total_tokens": limits.max_total_tokens,
+            "validation_workers": 2,
+            "max_client_batch_size": settings.max_client_batch_size,
+            "router": "textgen",
+            "version": state.version,
+            "sha": None,
+            "docker_label": None,
+            # 2.x fields, still read by some dashboards
+            "max_input_length": limits.max_input_tokens,
+            "max_batch_total_tokens": settings.max_batch_total_tokens,
+            "max_batch_prefill_tokens": settings.max_batch_prefill_tokens,
+            "max_waiting_tokens": settings.max_waiting_tokens,
+            "max_batch_size": settings.max_batch_size,
+            "waiting_served_ratio": settings.waiting_served_ratio,
+            "max_top_n_tokens": limits.max_top_n_tokens,
+        }
+    )
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(gateway(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    state = gateway(request)
+    body = await decode(state, request, TokenizeBody)
+    if isinstance(body, Response):
+        return body
+    try:
+        spans = state.tokenizer.spans(body.inputs, body.parameters.truncate)
+    except TokenizerError as exc:
+        return ValidationError(f"tokenizer error {exc}").response()
+    return JSONResponse(
+        [{"id": s.id, "text": s.text, "start": s.start, "stop": s.stop} for s in spans]
+    )

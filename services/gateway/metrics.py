@@ -1,0 +1,99 @@
+"""Prometheus metrics with TGI's names, on a per-app registry.
+
+TGI exports counters without the `_total` suffix that prometheus_client appends, so counters
+are kept here as plain numbers and rendered by hand; histograms and gauges use
+prometheus_client on the app's own registry.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from prometheus_client import Gauge, Histogram, generate_latest
+
+from shared.telemetry import new_registry
+
+DURATION_BUCKETS = [0.00015 * 1.5**i for i in range(35)]
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def linear_buckets(maximum: int, count: int = 100) -> list[float]:
+    step = max(maximum / count, 1.0)
+    return sorted({round(step * (i + 1), 3) for i in range(count)})
+
+
+class GatewayMetrics:
+    def __init__(self, max_input_tokens: int, max_total_tokens: int):
+        self.registry = new_registry()
+        self.num_requests = 0
+        self.num_success = 0
+        self.num_failures: Counter[str] = Counter()
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=self.registry)
+
+        self.duration = histogram("tgi_request_duration", "end-to-end seconds", DURATION_BUCKETS)
+        self.validation_duration = histogram(
+            "tgi_request_validation_duration", "arrival to enqueued, s", DURATION_BUCKETS
+        )
+        self.queue_duration = histogram(
+            "tgi_request_queue_duration", "enqueued to scheduled, s", DURATION_BUCKETS
+        )
+        self.inference_duration = histogram(
+            "tgi_request_inference_duration", "scheduled to done, s", DURATION_BUCKETS
+        )
+        self.time_per_token = histogram(
+            "tgi_request_mean_time_per_token_duration", "inference s per token", DURATION_BUCKETS
+        )
+        self.input_length = histogram(
+            "tgi_request_input_length", "prompt tokens", linear_buckets(max_input_tokens)
+        )
+        self.generated_tokens = histogram(
+            "tgi_request_generated_tokens", "generated tokens", linear_buckets(max_total_tokens)
+        )
+        self.max_new_tokens = histogram(
+            "tgi_request_max_new_tokens", "max_new_tokens", linear_buckets(max_total_tokens)
+        )
+        self.queue_size = Gauge(
+            "tgi_queue_size", "requests of this gateway waiting to be scheduled",
+            registry=self.registry,
+        )
+        self.batch_current_size = Gauge(
+            "tgi_batch_current_size", "requests of this gateway being generated",
+            registry=self.registry,
+        )
+
+    def request_started(self) -> None:
+        self.num_requests += 1
+
+    def request_failed(self, label: str) -> None:
+        self.num_failures[label] += 1
+
+    def request_succeeded(
+        self, *, total_s: float, validation_s: float, queue_s: float, inference_s: float,
+        num_input_tokens: int, num_generated_tokens: int,
+    ) -> None:
+        self.num_success += 1
+        self.duration.observe(total_s)
+        self.validation_duration.observe(validation_s)
+        self.queue_duration.observe(queue_s)
+        self.inference_duration.observe(inference_s)
+        if num_generated_tokens:
+            self.time_per_token.observe(inference_s / num_generated_tokens)
+        self.input_length.observe(num_input_tokens)
+        self.generated_tokens.observe(num_generated_tokens)
+
+    def render(self) -> bytes:
+        lines = [
+            "# HELP tgi_request_count requests entering a generation handler",
+            "# TYPE tgi_request_count counter",
+            f"tgi_request_count {self.num_requests}",
+            "# HELP tgi_request_success generations that reached their final token",
+            "# TYPE tgi_request_success counter",
+            f"tgi_request_success {self.num_success}",
+            "# HELP tgi_request_failure failed requests by cause",
+            "# TYPE tgi_request_failure counter",
+        ]
+        for label in sorted(self.num_failures):
+            lines.append(f'tgi_request_failure{{err="{label}"}} {self.num_failures[label]}')
+        return ("\n".join(lines) + "\n").encode() + generate_latest(self.registry)

@@ -1,0 +1,139 @@
+"""Token events from workers to the request that waits for them.
+
+The gateway subscribes ONCE, at start-up, to its own reply channel `{ns}:reply:{gateway_id}`;
+workers PUBLISH one ReplyBatch per step with every token event for this gateway. The router
+puts each TokenEvent on the asyncio.Queue registered for its request_id. Events of unknown
+requests (finished, aborted, another gateway's) are dropped, and so are token indexes already
+delivered: a request replayed on another worker group re-sends its first tokens, and the
+client must still see one unbroken stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from shared.codec import decode
+from shared.messages import ReplyBatch, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    num_delivered: int = 0  # highest token index handed to the queue
+
+
+def without_duplicates(event: TokenEvent, num_delivered: int) -> TokenEvent | None:
+    """The part of `event` after token index `num_delivered`; None when nothing is new."""
+    if event.error or not event.token_ids:
+        return event
+    first_index = event.index or num_delivered + 1
+    num_old = num_delivered - first_index + 1
+    if num_old <= 0:
+        return event
+    if num_old >= len(event.token_ids):
+        if event.finish_reason is None:
+            return None
+        num_old = len(event.token_ids)
+    return msgspec.structs.replace(
+        event,
+        index=first_index + num_old,
+        token_ids=event.token_ids[num_old:],
+        logprobs=event.logprobs[num_old:],
+        top_tokens=event.top_tokens[num_old:],
+    )
+
+
+class ReplyRouter:
+    """Owns the gateway's single reply subscription and the per-request queues."""
+
+    def __init__(self, client: aioredis.Redis, channel: str):
+        self.client = client
+        self.channel = channel
+        self.is_subscribed = False
+        self._pending: dict[str, _Pending] = {}
+        self._task: asyncio.Task | None = None
+        # stopped by flag, not by cancellation: cancelling a blocked redis-py read can hang
+        self._is_stopping = False
+
+    @property
+    def num_registered(self) -> int:
+        return len(self._pending)
+
+    def register(self, request_id: str) -> asyncio.Queue[TokenEvent]:
+        """Call BEFORE sending the request, so no event can arrive unheard."""
+        pending = self._pending[request_id] = _Pending()
+        return pending.queue
+
+    def unregister(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+
+    def dispatch(self, batch: ReplyBatch) -> None:
+        for event in batch.events:
+            pending = self._pending.get(event.request_id)
+            if pending is None:
+                continue
+            fresh = without_duplicates(event, pending.num_delivered)
+            if fresh is None:
+                continue
+            if fresh.token_ids:
+                pending.num_delivered = fresh.index + len(fresh.token_ids) - 1
+            pending.queue.put_nowait(fresh)
+
+    def on_message(self, data: bytes) -> None:
+        try:
+            batch = decode(data, ReplyBatch)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("dropping malformed reply batch on %s: %s", self.channel, exc)
+            return
+        self.dispatch(batch)
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="reply-router")
+
+    async def stop(self) -> None:
+        self._is_stopping = True
+        if self._task is not None:
+            done, _ = await asyncio.wait([self._task], timeout=2.0)
+            if not done:
+                self._task.cancel()
+        self.is_subscribed = False
+
+    async def wait_subscribed(self, timeout: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self.is_subscribed and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        return self.is_subscribed
+
+    async def _run(self) -> None:
+        """Subscribe and listen forever; on a Redis failure, resubscribe with backoff."""
+        delay = 0.1
+        while not self._is_stopping:
+            pubsub = self.client.pubsub()
+            try:
+                await pubsub.subscribe(self.channel)
+                self.is_subscribed = True
+                delay = 0.1
+                log.info("listening for token events on %s", self.channel)
+                while not self._is_stopping:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
+                    if message is not None and message["type"] == "message":
+                        self.on_message(message["data"])
+            except (RedisError, OSError) as exc:
+                self.is_subscribed = False
+                log.warning("reply subscription lost (%s); retrying in %.1fs", exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            finally:
+                self.is_subscribed = False
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()

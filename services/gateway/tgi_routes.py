@@ -1,0 +1,269 @@
+"""TGI's generation routes: POST /generate, POST /generate_stream and the compat POST /.
+
+Order of checks per request (TGI §4): body decoding (plain-text 4xx), the pre-gate checks,
+the concurrency gate, parameter validation, tokenization and length rules, then generation.
+On streaming routes everything after body decoding is reported in-stream with HTTP 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import msgspec
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from services.gateway.body import read_json
+from services.gateway.errors import BodyError, GatewayError, ValidationError, overloaded
+from services.gateway.formatting import (
+    mean_logprob,
+    sequence_details,
+    sse,
+    stream_details,
+    stream_event,
+    timing_headers,
+)
+from services.gateway.generation import Finished, KeepAlive, Prepared, Token
+from services.gateway.schemas import CompatBody, GenerateBody
+from services.gateway.state import GatewayState
+from services.gateway.tokenizer import TokenizerError
+from services.gateway.validation import (
+    MAX_SEED,
+    ValidatedParameters,
+    check_gates,
+    check_lengths,
+    validate_parameters,
+)
+
+T = TypeVar("T")
+KEEPALIVE_S = 15.0
+router = APIRouter()
+
+
+def gateway(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+def unauthorized(state: GatewayState, request: Request) -> Response | None:
+    """401 (empty body) when --api-key is set and the Bearer token differs (case-insensitive)."""
+    if not state.settings.api_key:
+        return None
+    given = request.headers.get("authorization", "")
+    if given.lower() == f"bearer {state.settings.api_key}".lower():
+        return None
+    return Response(status_code=401)
+
+
+async def prepare(
+    state: GatewayState, inputs: str, params: ValidatedParameters, arrived_at: float
+) -> Prepared:
+    """Tokenize (BOS added, left truncation) and apply the length rules."""
+    try:
+        if len(inputs) > 10_000:  # long prompts tokenize off the event loop
+            input_ids = await asyncio.to_thread(state.tokenizer.encode, inputs, params.truncate)
+        else:
+            input_ids = state.tokenizer.encode(inputs, params.truncate)
+    except TokenizerError as exc:
+        raise ValidationError(f"tokenizer error {exc}") from exc
+    max_new_tokens = check_lengths(len(input_ids), params.max_new_tokens, state.limits)
+    return Prepared(inputs, input_ids, params, max_new_tokens, arrived_at)
+
+
+async def collect(state: GatewayState, prepared: Prepared) -> tuple[list[Token], Finished]:
+    tokens: list[Token] = []
+    async for item in state.generator.stream(prepared):
+        if isinstance(item, Token):
+            tokens.append(item)
+        elif isinstance(item, Finished):
+            return tokens, item
+    raise GatewayError(500, "Incomplete generation", "incomplete_generation", "incomplete")
+
+
+def with_new_seed(params: ValidatedParameters) -> ValidatedParameters:
+    seed = random.SystemRandom().randint(0, MAX_SEED)
+    return dataclasses.replace(params, sampling=msgspec.structs.replace(params.sampling, seed=seed))
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Run `work` unless the client disconnects first (then cancel it and return None)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        return await task
+    return None
+
+
+async def run_generate(
+    state: GatewayState, request: Request, body: GenerateBody, arrived_at: float,
+    default_full_text: bool, as_list: bool,
+) -> Response:
+    """Non-streaming generation, best_of included."""
+    state.metrics.request_started()
+    params = body.parameters
+    try:
+        best_of = check_gates(params, state.limits, is_stream=False)
+        if not state.admission.try_acquire(best_of):
+            raise overloaded()
+        try:
+            validated = validate_parameters(params, body.inputs, state.limits)
+            prepared = await prepare(state, body.inputs, validated, arrived_at)
+            runs = [prepared] + [
+                dataclasses.replace(prepared, params=with_new_seed(validated))
+                for _ in range(best_of - 1)
+            ]
+            results = await until_disconnect(
+                request, asyncio.gather(*(collect(state, run) for run in runs))
+            )
+        finally:
+            state.admission.release(best_of)
+    except GatewayError as exc:
+        state.metrics.request_failed(exc.metric_label)
+        return exc.response()
+    if results is None:  # the client went away; nobody reads this
+        return Response(status_code=499)
+    full_text = default_full_text if validated.return_full_text is None else (
+        validated.return_full_text)
+    answer, finished = generate_answer(results, body.inputs, validated, full_text)
+    headers = timing_headers(finished, state.compute_type, len(body.inputs))
+    return JSONResponse([answer] if as_list else answer, headers=headers)
+
+
+def generate_answer(
+    results: list[tuple[list[Token], Finished]], inputs: str, params: ValidatedParameters,
+    full_text: bool,
+) -> tuple[dict[str, Any], Finished]:
+    """The /generate JSON: winner = highest mean logprob, the others in best_of_sequences."""
+    ranked = sorted(results, key=lambda result: mean_logprob(result[0]), reverse=True)
+    prefix = inputs if full_text else ""
+    tokens, finished = ranked[0] if len(results) > 1 else results[0]
+    answer: dict[str, Any] = {"generated_text": prefix + finished.generated_text}
+    if params.has_details:
+        details = sequence_details(tokens, finished, params.top_n_tokens)
+        if len(results) > 1:
+            details["best_of_sequences"] = [
+                {"generated_text": prefix + other.generated_text,
+                 **{k: v for k, v in sequence_details(other_tokens, other, params.top_n_tokens)
+                    .items()}}
+                for other_tokens, other in ranked[1:]
+            ]
+        answer["details"] = details
+    return answer, finished
+
+
+async def sse_events(
+    state: GatewayState, body: GenerateBody, arrived_at: float, default_full_text: bool
+) -> AsyncIterator[str]:
+    """The SSE body of a streaming generation; every failure becomes one error event."""
+    state.metrics.request_started()
+    params = body.parameters
+    try:
+        check_gates(params, state.limits, is_stream=True)
+        if not state.admission.try_acquire(1):
+            raise overloaded()
+        try:
+            validated = validate_parameters(params, body.inputs, state.limits)
+            prepared = await prepare(state, body.inputs, validated, arrived_at)
+            full_text = default_full_text if validated.return_full_text is None else (
+                validated.return_full_text)
+            async for chunk in token_events(state, prepared, full_text):
+                yield chunk
+        finally:
+            state.admission.release(1)
+    except GatewayError as exc:
+        state.metrics.request_failed(exc.metric_label)
+        yield sse(exc.body())
+
+
+async def token_events(state: GatewayState, prepared: Prepared, full_text: bool):
+    params = prepared.params
+    prefix = prepared.inputs if full_text else ""
+    last: Token | None = None
+    async for item in state.generator.stream(prepared, keepalive_s=KEEPALIVE_S):
+        if isinstance(item, KeepAlive):
+            yield ":\n\n"
+            continue
+        finished = item.finished if isinstance(item, Token) else item
+        if isinstance(item, Token):
+            last = item
+        if finished is None:
+            yield sse(stream_event(item, params.top_n_tokens, None, None))
+            continue
+        if isinstance(item, Token) or last is not None:  # tokenless finish: repeat the last
+            details = stream_details(finished) if params.has_details else None
+            yield sse(stream_event(last, params.top_n_tokens,
+                                   prefix + finished.generated_text, details))
+        return
+
+
+def stream_response(
+    state: GatewayState, body: GenerateBody, arrived_at: float, default_full_text: bool
+) -> StreamingResponse:
+    headers = {
+        "x-compute-type": state.compute_type,
+        "x-compute-characters": str(len(body.inputs)),
+        "X-Accel-Buffering": "no",
+        "Cache-Control": "no-cache",
+    }
+    return StreamingResponse(
+        sse_events(state, body, arrived_at, default_full_text),
+        media_type="text/event-stream",
+        headers=headers,
+    )
+
+
+async def decode(state: GatewayState, request: Request, model: type[T]) -> T | Response:
+    denied = unauthorized(state, request)
+    if denied is not None:
+        return denied
+    try:
+        return await read_json(request, model, state.settings.payload_limit)
+    except BodyError as exc:
+        return exc.response()
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    arrived_at, state = time.time(), gateway(request)
+    body = await decode(state, request, GenerateBody)
+    if isinstance(body, Response):
+        return body
+    return await run_generate(state, request, body, arrived_at, False, as_list=False)
+
+
+@router.post("/generate_stream")
+async def generate_stream(request: Request) -> Response:
+    arrived_at, state = time.time(), gateway(request)
+    body = await decode(state, request, GenerateBody)
+    if isinstance(body, Response):
+        return body
+    return stream_response(state, body, arrived_at, default_full_text=False)
+
+
+@router.post("/")
+async def compat_generate(request: Request) -> Response:
+    """TGI's compat route: `stream` picks SSE; non-stream answers a one-element array.
+    return_full_text defaults to true here (local models have no pipeline tag: quirk)."""
+    arrived_at, state = time.time(), gateway(request)
+    body = await decode(state, request, CompatBody)
+    if isinstance(body, Response):
+        return body
+    if body.stream:
+        return stream_response(state, body, arrived_at, default_full_text=True)
+    return await run_generate(state, request, body, arrived_at, True, as_list=True)

@@ -1,0 +1,283 @@
+"""The gateway over real HTTP (uvicorn in a thread) and real Redis, with a stand-in worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+import uvicorn
+
+from services.gateway.app import create_app
+from services.gateway.tokenizer import TextTokenizer
+from shared.channels import Channels
+from shared.codec import decode, encode
+from shared.messages import AbortRequest, Heartbeat, WorkerReady
+from shared.settings import Settings
+from tests.gateway.peer import CONTINUATION, WorkerPeer
+from tests.support.redis_server import free_port
+
+
+@contextlib.contextmanager
+def serve(settings: Settings):
+    """Run the gateway app with uvicorn in a background thread; yield its base URL."""
+    port = free_port()
+    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 10
+    while not server.started and time.time() < deadline:
+        time.sleep(0.01)
+    assert server.started, "uvicorn did not start"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture
+def settings(redis_url, namespace, tokenizer_dir) -> Settings:
+    return Settings(redis_url=redis_url, namespace=namespace, model_id=str(tokenizer_dir),
+                    max_total_tokens=64, max_input_tokens=32)
+
+
+@pytest.fixture
+def base_url(settings):
+    with serve(settings) as url:
+        yield url
+
+
+@pytest.fixture
+async def peer(redis_url, namespace, tokenizer_dir):
+    async with WorkerPeer(redis_url, namespace, TextTokenizer.from_folder(tokenizer_dir)) as p:
+        yield p
+
+
+@pytest.fixture
+async def http(base_url):
+    async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+        yield client
+
+
+def sse_events(text: str) -> list[dict]:
+    assert "[DONE]" not in text
+    blocks = [b for b in text.split("\n\n") if b.strip()]
+    assert all(b.startswith("data: ") for b in blocks), blocks
+    return [json.loads(b[len("data: "):]) for b in blocks]
+
+
+async def test_generate_details_and_headers(http, peer):
+    response = await http.post("/generate", json={
+        "inputs": "once upon", "parameters": {"max_new_tokens": 5, "details": True}})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    details = body["details"]
+    assert details["finish_reason"] == "length"
+    assert details["generated_tokens"] == 5 == len(details["tokens"])
+    assert details["seed"] is None and details["prefill"] == []
+    assert "top_tokens" not in details and "best_of_sequences" not in details
+    assert "".join(t["text"] for t in details["tokens"]) == body["generated_text"]
+    assert CONTINUATION.startswith(body["generated_text"])
+    assert response.headers["x-generated-tokens"] == "5"
+    request = peer.requests[-1]
+    assert response.headers["x-prompt-tokens"] == str(len(request.input_ids))
+    assert request.input_ids[0] == 1  # BOS added
+    assert request.stopping.max_new_tokens == 5 and not request.sampling.do_sample
+    assert request.reply_to.startswith(f"{peer.channels.namespace}:reply:")
+    for name in ("x-compute-type", "x-compute-time", "x-compute-characters", "x-total-time",
+                 "x-validation-time", "x-queue-time", "x-inference-time", "x-time-per-token"):
+        assert name in response.headers
+    assert response.headers["x-compute-characters"] == str(len("once upon"))
+    float(response.headers["x-compute-time"])
+
+
+async def test_generate_eos_sampling_full_text_and_top_tokens(http, peer):
+    response = await http.post("/generate", json={"inputs": "hello"})  # no parameters: sampling
+    assert response.status_code == 200 and "details" not in response.json()
+    assert peer.requests[-1].sampling.do_sample
+    response = await http.post("/generate", json={"inputs": "hello", "parameters": {
+        "details": True, "do_sample": True, "return_full_text": True, "top_n_tokens": 2}})
+    body = response.json()
+    assert body["details"]["finish_reason"] == "eos_token"
+    assert body["details"]["seed"] == peer.requests[-1].sampling.seed
+    assert isinstance(body["details"]["seed"], int)
+    assert body["generated_text"] == "hello" + CONTINUATION
+    assert body["details"]["tokens"][-1] == {"id": 2, "text": "</s>", "logprob": -0.5,
+                                             "special": True}
+    assert all(len(tops) == 2 for tops in body["details"]["top_tokens"])
+    compat = await http.post("/", json={"inputs": "hello", "parameters": {"max_new_tokens": 2}})
+    assert isinstance(compat.json(), list) and compat.json()[0]["generated_text"].startswith("hello")
+
+
+async def test_best_of(http, peer):
+    response = await http.post("/generate", json={"inputs": "hi", "parameters": {
+        "best_of": 2, "do_sample": True, "details": True, "max_new_tokens": 3}})
+    assert response.status_code == 200, response.text
+    assert len(response.json()["details"]["best_of_sequences"]) == 1
+    seeds = {r.sampling.seed for r in peer.requests[-2:]}
+    assert len(seeds) == 2
+
+
+async def test_stream(http, peer):
+    response = await http.post("/generate_stream", json={
+        "inputs": "once", "parameters": {"max_new_tokens": 4, "details": True}})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.headers["x-accel-buffering"] == "no"
+    events = sse_events(response.text)
+    assert [e["index"] for e in events] == [1, 2, 3, 4]
+    assert all(e["generated_text"] is None and e["details"] is None for e in events[:-1])
+    final = events[-1]
+    assert final["generated_text"] == "".join(e["token"]["text"] for e in events)
+    assert final["details"] == {"finish_reason": "length", "generated_tokens": 4, "seed": None,
+                                "input_length": len(peer.requests[-1].input_ids)}
+    assert "top_tokens" not in final
+
+
+async def test_stream_validation_error_is_in_stream(http, peer):
+    for parameters, text in [({"max_new_tokens": 0}, "`max_new_tokens` must be strictly positive"),
+                             ({"best_of": 2}, "not supported when streaming tokens")]:
+        response = await http.post("/generate_stream", json={"inputs": "x",
+                                                              "parameters": parameters})
+        assert response.status_code == 200
+        (event,) = sse_events(response.text)
+        assert event["error_type"] == "validation" and text in event["error"]
+
+
+async def test_validation_and_body_errors(http):
+    response = await http.post("/generate", json={"inputs": "Hi",
+                                                  "parameters": {"max_new_tokens": 0}})
+    assert response.status_code == 422
+    assert response.json() == {"error": "Input validation error: `max_new_tokens` must be "
+                               "strictly positive", "error_type": "validation"}
+    long_prompt = " ".join(["the cat"] * 40)
+    response = await http.post("/generate", json={"inputs": long_prompt,
+                                                  "parameters": {"max_new_tokens": 2}})
+    assert response.status_code == 422 and "must have less than 32 tokens" in response.text
+    response = await http.post("/generate", content=b'{"inputs": "x"}')
+    assert response.status_code == 415
+    response = await http.post("/generate", content=b"{", headers={"content-type":
+                                                                   "application/json"})
+    assert response.status_code == 400 and response.text.startswith("Failed to parse")
+    response = await http.post("/generate", json={"parameters": {}})
+    assert response.status_code == 422 and response.text.startswith("Failed to deserialize")
+
+
+async def test_stop_sequence_aborts(http, peer, redis_url, namespace):
+    listener = aioredis.from_url(redis_url)
+    pubsub = listener.pubsub()
+    await pubsub.subscribe(Channels(namespace).aborts)
+    try:
+        response = await http.post("/generate", json={"inputs": "x", "parameters": {
+            "stop": ["sat"], "details": True}})
+        body = response.json()
+        assert body["details"]["finish_reason"] == "stop_sequence"
+        assert body["generated_text"] == " the cat sat"
+        message = None
+        deadline = time.time() + 5
+        while message is None and time.time() < deadline:
+            message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.5)
+        assert message is not None
+        abort = decode(message["data"], AbortRequest)
+        assert abort.request_id == peer.requests[-1].request_id
+        assert abort.reason == "stop_sequence"
+    finally:
+        await pubsub.aclose()
+        await listener.aclose()
+
+
+async def test_worker_error_is_424(http, peer):
+    response = await http.post("/generate", json={"inputs": "FAIL", "parameters": {}})
+    assert response.status_code == 424
+    assert response.json() == {"error": "Request failed during generation: worker exploded",
+                               "error_type": "generation"}
+
+
+async def test_info_tokenize_metrics(http, peer, settings):
+    info = (await http.get("/info")).json()
+    assert info["model_id"] == settings.model_id
+    assert (info["max_input_tokens"], info["max_total_tokens"]) == (32, 64)
+    for key in ("max_concurrent_requests", "max_best_of", "max_stop_sequences",
+                "max_client_batch_size", "version", "max_batch_total_tokens"):
+        assert key in info
+    tokens = (await http.post("/tokenize", json={"inputs": "the cat"})).json()
+    response = await http.post("/generate", json={"inputs": "the cat",
+                                                  "parameters": {"max_new_tokens": 1}})
+    assert len(tokens) == int(response.headers["x-prompt-tokens"])
+    assert tokens[0]["text"] == "<s>" and tokens[-1]["stop"] == len("the cat")
+    text = (await http.get("/metrics")).text
+    assert "tgi_request_count " in text and "tgi_request_success " in text
+    for name in ("tgi_request_duration_bucket", "tgi_request_input_length_bucket",
+                 "tgi_request_generated_tokens_bucket", "tgi_queue_size",
+                 "tgi_request_validation_duration", "tgi_request_queue_duration",
+                 "tgi_request_inference_duration", "tgi_request_mean_time_per_token_duration",
+                 "tgi_batch_current_size"):
+        assert name in text
+    assert "_total" not in text
+
+
+async def test_health(http, redis_url, namespace):
+    assert (await http.get("/live")).status_code == 200
+    response = await http.get("/health")
+    assert response.status_code == 503
+    assert response.json() == {"error": "unhealthy", "error_type": "healthcheck"}
+    channels = Channels(namespace)
+    client = aioredis.from_url(redis_url)
+    try:
+        await client.sadd(channels.groups, "g0")
+        await client.set(channels.worker("g0"), encode(WorkerReady(
+            group="g0", model_id="m", num_blocks=1, block_size=16, max_batch_size=1,
+            max_model_len=64)))
+        assert (await http.get("/health")).status_code == 503  # no heartbeat yet
+        await client.set(channels.heartbeat("g0"), encode(Heartbeat(group="g0", at=time.time())),
+                         ex=10)
+        for path in ("/health", "/", "/ping", "/ready"):
+            response = await http.get(path)
+            assert response.status_code == 200 and response.content == b""
+    finally:
+        await client.aclose()
+
+
+async def test_overload_and_disconnect(settings, peer):
+    settings = settings.model_copy(update={"max_concurrent_requests": 1})
+    with serve(settings) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+            slow = asyncio.create_task(http.post("/generate", json={
+                "inputs": "SLOW", "parameters": {"max_new_tokens": 10}}))
+            await asyncio.sleep(0.3)
+            response = await http.post("/generate", json={"inputs": "x", "parameters": {}})
+            assert response.status_code == 429
+            assert response.json() == {"error": "Model is overloaded", "error_type": "overloaded"}
+            response = await http.post("/generate_stream", json={"inputs": "x"})
+            assert response.status_code == 200
+            assert sse_events(response.text)[0]["error_type"] == "overloaded"
+            slow.cancel()  # the client goes away: the slot must come back
+            with contextlib.suppress(asyncio.CancelledError):
+                await slow
+            await asyncio.sleep(0.3)
+            response = await http.post("/generate", json={"inputs": "x", "parameters": {
+                "max_new_tokens": 2}})
+            assert response.status_code == 200
+            metrics = (await http.get("/metrics")).text
+            assert 'tgi_request_failure{err="dropped"} 1' in metrics
+            assert 'tgi_request_failure{err="overloaded"} 2' in metrics
+
+
+async def test_redis_down_is_503(tokenizer_dir):
+    settings = Settings(redis_url=f"redis://127.0.0.1:{free_port()}/0",
+                        model_id=str(tokenizer_dir))
+    with serve(settings) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+            started = time.time()
+            response = await http.post("/generate", json={"inputs": "x", "parameters": {}})
+            assert response.status_code == 503
+            assert response.json()["error_type"] == "unavailable"
+            assert (await http.get("/health")).status_code == 503
+            assert time.time() - started < 5
