@@ -159,8 +159,7 @@ def generate_answer(
         if len(results) > 1:
             details["best_of_sequences"] = [
                 {"generated_text": prefix + other.generated_text,
-                 **{k: v for k, v in sequence_details(other_tokens, other, params.top_n_tokens)
-                    .items()}}
+                 **sequence_details(other_tokens, other, params.top_n_tokens)}
                 for other_tokens, other in ranked[1:]
             ]
         answer["details"] = details

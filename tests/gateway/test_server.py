@@ -281,3 +281,36 @@ async def test_redis_down_is_503(tokenizer_dir):
             assert response.json()["error_type"] == "unavailable"
             assert (await http.get("/health")).status_code == 503
             assert time.time() - started < 5
+
+
+async def test_deadline_and_stream_disconnect_abort(settings, peer, redis_url, namespace):
+    settings = settings.model_copy(update={"request_timeout": 0.5, "api_key": "Secret"})
+    listener = aioredis.from_url(redis_url)
+    pubsub = listener.pubsub()
+    await pubsub.subscribe(Channels(namespace).aborts)
+    auth = {"Authorization": "Bearer secret"}  # TGI compares case-insensitively
+    try:
+        with serve(settings) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+                response = await http.post("/generate", json={"inputs": "x"})
+                assert response.status_code == 401 and response.content == b""
+                assert (await http.get("/info")).status_code == 200
+                response = await http.post("/generate", headers=auth,
+                                           json={"inputs": "SILENT", "parameters": {}})
+                assert response.status_code == 424 and "deadline" in response.json()["error"]
+                async with http.stream("POST", "/generate_stream", headers=auth, json={
+                        "inputs": "SLOW", "parameters": {"max_new_tokens": 10}}) as stream:
+                    async for line in stream.aiter_lines():
+                        if line.startswith("data:"):
+                            break  # one token seen: hang up
+                reasons = set()
+                deadline = time.time() + 5
+                while len(reasons) < 2 and time.time() < deadline:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True,
+                                                       timeout=0.5)
+                    if message is not None:
+                        reasons.add(decode(message["data"], AbortRequest).reason)
+                assert reasons == {"deadline", "dropped"}
+    finally:
+        await pubsub.aclose()
+        await listener.aclose()
