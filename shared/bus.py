@@ -24,7 +24,9 @@ FIELD = b"m"  # stream entries hold one field whose value is the msgpack message
 
 def connect(url: str) -> aioredis.Redis:
     """A Redis client (a connection pool) that returns raw bytes."""
-    return aioredis.from_url(url, decode_responses=False, health_check_interval=30)
+    return aioredis.from_url(
+        url, decode_responses=False, health_check_interval=30, socket_connect_timeout=5
+    )
 
 
 async def wait_for_redis(client: aioredis.Redis, timeout: float = 30.0) -> None:

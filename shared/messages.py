@@ -11,10 +11,11 @@ Who sends what:
     gateway   --AbortRequest----->  {ns}:aborts               (pub/sub, every scheduler)
     scheduler --StepPlan--------->  {ns}:group:{g}:steps      (stream, read by worker rank 0)
     worker    --StepResult------->  {ns}:group:{g}:results    (stream, read by the scheduler)
-    worker    --ReplyBatch------->  {ns}:reply:{gateway_id}   (pub/sub, one PUBLISH per gateway per step)
+    worker    --ReplyBatch------->  {ns}:reply:{gateway_id}   (pub/sub, one PUBLISH per gateway
+                                                               per step)
     worker    --WorkerReady------>  {ns}:group:{g}:worker     (key: capacity of the group)
     worker    --Heartbeat-------->  {ns}:group:{g}:heartbeat  (key with a TTL)
-    scheduler --SchedulerStats--->  {ns}:group:{g}:scheduler  (key: live counters for operators/tests)
+    scheduler --SchedulerStats--->  {ns}:group:{g}:scheduler  (key: live counters for operators)
 
 No tensors travel: token ids are lists of ints, times are unix seconds (float).
 """
@@ -28,7 +29,7 @@ import msgspec
 SCHEMA_VERSION = 1
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     """Why a generation ended; the values are TGI's API strings."""
 
     LENGTH = "length"  # max_new_tokens (or the context) reached

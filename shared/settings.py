@@ -86,7 +86,7 @@ class Settings(BaseSettings):
         return init_settings, env_settings, dotenv_settings, file_secret_settings
 
     @model_validator(mode="after")
-    def _check(self) -> "Settings":
+    def _check(self) -> Settings:
         if self.max_batch_size <= 0:
             raise ValueError("max_batch_size must be > 0")
         if self.block_size <= 0:

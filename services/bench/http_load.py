@@ -28,8 +28,10 @@ async def _one(client: httpx.AsyncClient, url: str, case: Case) -> tuple[float, 
     started = time.perf_counter()
     response = await client.post(
         f"{url}/generate",
-        json={"inputs": case.prompt,
-              "parameters": {"max_new_tokens": case.max_new_tokens, "details": True}},
+        json={
+            "inputs": case.prompt,
+            "parameters": {"max_new_tokens": case.max_new_tokens, "details": True},
+        },
     )
     response.raise_for_status()
     ids = [t["id"] for t in response.json()["details"]["tokens"]]

@@ -42,8 +42,18 @@ def _free_port() -> int:
 def _launch(model_id: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.launcher.cli", "launch", "--model-id", model_id,
-         "--port", str(port), "--log-level", "WARNING"],
+        [
+            sys.executable,
+            "-m",
+            "services.launcher.cli",
+            "launch",
+            "--model-id",
+            model_id,
+            "--port",
+            str(port),
+            "--log-level",
+            "WARNING",
+        ],
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600

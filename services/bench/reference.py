@@ -41,9 +41,14 @@ def run_sequential(model_id: str, cases: list[Case], eos_token_ids: list[int]) -
     with torch.inference_mode():
         for case in cases:
             input_ids = tokenizer(case.prompt, return_tensors="pt").input_ids
-            out = model.generate(input_ids, max_new_tokens=case.max_new_tokens, do_sample=False,
-                                 eos_token_id=eos_token_ids, pad_token_id=0)
-            outputs.append(out[0, input_ids.shape[1]:].tolist())
+            out = model.generate(
+                input_ids,
+                max_new_tokens=case.max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos_token_ids,
+                pad_token_id=0,
+            )
+            outputs.append(out[0, input_ids.shape[1] :].tolist())
     wall_s = time.perf_counter() - started
     return ReferenceResult("sequential", sum(map(len, outputs)), wall_s, outputs)
 
@@ -60,12 +65,16 @@ def run_batched(model_id: str, cases: list[Case], eos_token_ids: list[int]) -> R
     batch = tokenizer([c.prompt for c in cases], return_tensors="pt", padding=True)
     started = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(**batch, max_new_tokens=max(c.max_new_tokens for c in cases),
-                             do_sample=False, eos_token_id=eos_token_ids,
-                             pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(
+            **batch,
+            max_new_tokens=max(c.max_new_tokens for c in cases),
+            do_sample=False,
+            eos_token_id=eos_token_ids,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     wall_s = time.perf_counter() - started
     outputs = []
-    for row, case in zip(out[:, batch.input_ids.shape[1]:].tolist(), cases):
+    for row, case in zip(out[:, batch.input_ids.shape[1] :].tolist(), cases):
         ids = row[: case.max_new_tokens]
         for i, token in enumerate(ids):
             if token in eos_token_ids:

@@ -71,15 +71,25 @@ def create_app(settings: Settings) -> FastAPI:
         state.client = connect(settings.redis_url)
         state.router = ReplyRouter(state.client, state.channels.reply(state.gateway_id))
         state.generator = Generator(
-            state.client, state.router, state.tokenizer, state.channels, state.metrics,
-            settings.request_timeout, settings.max_queue_length,
+            state.client,
+            state.router,
+            state.tokenizer,
+            state.channels,
+            state.metrics,
+            settings.request_timeout,
+            settings.max_queue_length,
         )
         await state.router.start()
         if not await state.router.wait_subscribed(timeout=2.0):
-            log.warning("Redis at %s unreachable; answering 503 until it is back",
-                        settings.redis_url)
-        log.info("gateway %s ready: model %s, limits %s", state.gateway_id, settings.model_id,
-                 state.limits)
+            log.warning(
+                "Redis at %s unreachable; answering 503 until it is back", settings.redis_url
+            )
+        log.info(
+            "gateway %s ready: model %s, limits %s",
+            state.gateway_id,
+            settings.model_id,
+            state.limits,
+        )
         try:
             yield
         finally:

@@ -27,7 +27,7 @@ def is_json_content_type(value: str | None) -> bool:
     mime = value.split(";", 1)[0].strip().lower()
     if not mime.startswith("application/"):
         return False
-    subtype = mime[len("application/"):]
+    subtype = mime[len("application/") :]
     return subtype == "json" or subtype.endswith("+json")
 
 

@@ -41,7 +41,9 @@ def overloaded() -> GatewayError:
 
 def generation_failed(detail: str, error_type: str = "") -> GatewayError:
     return GatewayError(
-        424, f"Request failed during generation: {detail}", error_type or "generation",
+        424,
+        f"Request failed during generation: {detail}",
+        error_type or "generation",
         metric_label="generation",
     )
 

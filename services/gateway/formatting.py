@@ -51,13 +51,12 @@ def sequence_details(tokens: list[Token], finished: Finished, top_n_tokens: int)
     return details
 
 
-def timing_headers(
-    finished: Finished, compute_type: str, num_characters: int
-) -> dict[str, str]:
+def timing_headers(finished: Finished, compute_type: str, num_characters: int) -> dict[str, str]:
     """TGI's x-* headers of a successful non-streaming generation."""
     per_token_ms = (
         finished.inference_s * 1000 / finished.num_generated_tokens
-        if finished.num_generated_tokens else 0
+        if finished.num_generated_tokens
+        else 0
     )
     return {
         "x-compute-type": compute_type,

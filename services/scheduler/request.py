@@ -38,7 +38,7 @@ class SchedRequest:
     error: str = ""  # why the scheduler failed it (the service tells the gateway)
 
     @classmethod
-    def from_message(cls, message: GenerateRequest, entry_id: bytes, arrival: int) -> "SchedRequest":
+    def from_message(cls, message: GenerateRequest, entry_id: bytes, arrival: int) -> SchedRequest:
         return cls(
             message=message,
             entry_id=entry_id,

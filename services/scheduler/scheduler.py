@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import RequestStatus, SchedRequest
@@ -164,9 +164,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
             request = self.waiting[0]
             if self.blocks.num_blocks_for(len(request.token_ids) + 1) > self.blocks.num_blocks:
+                capacity = self.blocks.num_blocks * self.blocks.block_size
                 request.error = (
                     f"the request needs {len(request.token_ids) + 1} tokens of KV cache, more "
-                    f"than the worker group holds ({self.blocks.num_blocks * self.blocks.block_size})"
+                    f"than the worker group holds ({capacity})"
                 )
                 self._end(request, RequestStatus.FAILED)
                 continue
@@ -209,7 +210,9 @@ class Scheduler:
             self._released_ids.append(request.request_id)
             request.is_on_worker = False
         self.counters.num_preempted += 1
-        log.info("preempted %s (%d tokens to recompute)", request.request_id, len(request.token_ids))
+        log.info(
+            "preempted %s (%d tokens to recompute)", request.request_id, len(request.token_ids)
+        )
         self._enqueue(request)
 
     def _make_plan(self, scheduled: list[tuple[SchedRequest, int, list[int]]]) -> StepPlan:
@@ -259,7 +262,7 @@ class Scheduler:
         return NewRequest(
             request_id=request.request_id,
             input_ids=message.input_ids,
-            generated_ids=request.token_ids[request.num_prompt_tokens:],
+            generated_ids=request.token_ids[request.num_prompt_tokens :],
             sampling=message.sampling,
             stopping=message.stopping,
             reply_to=message.reply_to,
@@ -276,7 +279,9 @@ class Scheduler:
         keys = [r.sort_key for r in self.waiting]
         self.waiting.insert(bisect.bisect(keys, request.sort_key), request)
 
-    def _end(self, request: SchedRequest, status: RequestStatus, is_on_worker_done: bool = False) -> None:
+    def _end(
+        self, request: SchedRequest, status: RequestStatus, is_on_worker_done: bool = False
+    ) -> None:
         if request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
         elif request.status == RequestStatus.RUNNING:

@@ -17,7 +17,7 @@ import uuid
 import redis.asyncio as aioredis
 
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.request import RequestStatus, SchedRequest
+from services.scheduler.request import SchedRequest
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from shared.bus import ensure_group, entry_message, get_message, read_stream, stream_fields
 from shared.channels import SCHEDULER_GROUP, Channels
@@ -78,8 +78,13 @@ class SchedulerService:
         self.metrics.kv_blocks.set(ready.num_blocks)
         await ensure_group(self.redis, self.channels.requests, SCHEDULER_GROUP)
         await self.redis.delete(self.channels.results(self.group))
-        log.info("scheduler %s drives group %s (%d blocks x %d tokens)", self.consumer,
-                 self.group, ready.num_blocks, ready.block_size)
+        log.info(
+            "scheduler %s drives group %s (%d blocks x %d tokens)",
+            self.consumer,
+            self.group,
+            ready.num_blocks,
+            ready.block_size,
+        )
         listener = asyncio.create_task(self._listen_aborts())
         try:
             await self._loop()
@@ -111,7 +116,10 @@ class SchedulerService:
                 await asyncio.sleep(0.1)
             return
         reply = await self.redis.xreadgroup(
-            SCHEDULER_GROUP, self.consumer, {self.channels.requests: ">"}, count=room,
+            SCHEDULER_GROUP,
+            self.consumer,
+            {self.channels.requests: ">"},
+            count=room,
             block=1000 if block else None,
         )
         now = time.time()
@@ -134,15 +142,18 @@ class SchedulerService:
     async def _run_step(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
         await self.redis.xadd(
-            self.channels.steps(self.group), stream_fields(plan), maxlen=STEPS_MAXLEN,
+            self.channels.steps(self.group),
+            stream_fields(plan),
+            maxlen=STEPS_MAXLEN,
             approximate=True,
         )
         self.metrics.batch_size.observe(len(plan.new_requests) + len(plan.running))
         results = self.channels.results(self.group)
         waited = 0.0
         while True:
-            entries = await read_stream(self.redis, results, self._results_last_id, StepResult,
-                                        block_ms=1000)
+            entries = await read_stream(
+                self.redis, results, self._results_last_id, StepResult, block_ms=1000
+            )
             for entry_id, result in entries:
                 self._results_last_id = entry_id
                 if result.step_id == plan.step_id:

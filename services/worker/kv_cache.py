@@ -70,14 +70,18 @@ class PagedKVCache:
         num_slots = num_blocks * block_size
         # per layer: [num_slots, num_kv_heads, head_dim]
         self.keys = [
-            torch.zeros(num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype,
-                        device=device)
+            torch.zeros(
+                num_slots, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device
+            )
             for _ in range(shape.num_layers)
         ]
         self.values = [torch.zeros_like(k) for k in self.keys]
         log.info(
             "KV cache: %d blocks x %d tokens, %.1f MiB on %s",
-            num_blocks, block_size, num_slots * shape.bytes_per_token / 2**20, device,
+            num_blocks,
+            block_size,
+            num_slots * shape.bytes_per_token / 2**20,
+            device,
         )
 
     def slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:

@@ -57,7 +57,9 @@ def load_model(
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     target = pick_device(device)
     config_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    torch_dtype = pick_dtype(dtype, target, config_dtype if isinstance(config_dtype, torch.dtype) else None)
+    torch_dtype = pick_dtype(
+        dtype, target, config_dtype if isinstance(config_dtype, torch.dtype) else None
+    )
     model = AutoModelForCausalLM.from_pretrained(
         folder,
         dtype=torch_dtype,

@@ -20,7 +20,11 @@ async def serve(settings: Settings) -> None:
     redis = connect(settings.redis_url)
     await wait_for_redis(redis)
     loaded = await asyncio.to_thread(
-        load_model, settings.model_id, settings.revision, settings.dtype, settings.device,
+        load_model,
+        settings.model_id,
+        settings.revision,
+        settings.dtype,
+        settings.device,
         settings.trust_remote_code,
     )
     service = WorkerService(settings, loaded, redis)

@@ -14,16 +14,22 @@ class WorkerMetrics:
         self.registry = new_registry()
         r = self.registry
         self.step_duration = Histogram(
-            "textgen_worker_step_duration_seconds", "whole step: plan read to tokens published",
-            buckets=STEP_BUCKETS, registry=r,
+            "textgen_worker_step_duration_seconds",
+            "whole step: plan read to tokens published",
+            buckets=STEP_BUCKETS,
+            registry=r,
         )
         self.forward_duration = Histogram(
-            "textgen_worker_forward_duration_seconds", "model forward per step",
-            buckets=STEP_BUCKETS, registry=r,
+            "textgen_worker_forward_duration_seconds",
+            "model forward per step",
+            buckets=STEP_BUCKETS,
+            registry=r,
         )
         self.batch_tokens = Histogram(
-            "textgen_worker_step_tokens", "tokens computed per step",
-            buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192], registry=r,
+            "textgen_worker_step_tokens",
+            "tokens computed per step",
+            buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
+            registry=r,
         )
         self.generated_tokens = Counter(
             "textgen_worker_generated_tokens", "tokens sampled", registry=r

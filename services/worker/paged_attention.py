@@ -117,7 +117,12 @@ def paged_attention_forward(
         if q_len > 1 and not is_full_causal or (sliding_window and context_len > sliding_window):
             mask = _causal_mask(q_len, context_len, sliding_window, q.device)
         attended = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_full_causal, scale=scaling,
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=is_full_causal,
+            scale=scaling,
             enable_gqa=q.shape[0] != k.shape[0],
         )  # [num_heads, q_len, head_dim]
         out[start:end] = attended.transpose(0, 1)

@@ -91,7 +91,9 @@ def sample_one(
         token_id = int(torch.argmax(log_probs.exp() / noise))
     else:
         token_id = int(torch.argmax(logits))
-    return Sampled(token_id, float(log_probs[token_id]), _top_tokens(log_probs, params.top_n_tokens))
+    return Sampled(
+        token_id, float(log_probs[token_id]), _top_tokens(log_probs, params.top_n_tokens)
+    )
 
 
 def sample_greedy_batch(logits: torch.Tensor, top_n_tokens: list[int]) -> list[Sampled]:
@@ -110,7 +112,9 @@ def _top_tokens(log_probs: torch.Tensor, n: int) -> list[TopToken]:
     if n <= 0:
         return []
     values, indices = torch.topk(log_probs, n)
-    return [TopToken(id=int(i), logprob=float(v)) for v, i in zip(values.tolist(), indices.tolist())]
+    return [
+        TopToken(id=int(i), logprob=float(v)) for v, i in zip(values.tolist(), indices.tolist())
+    ]
 
 
 def needs_own_row(params: SamplingParams) -> bool:

@@ -76,8 +76,12 @@ class WorkerService:
             pipe.sadd(channels.groups, self.group)
             await pipe.execute()
         await self._beat()
-        log.info("worker group %s ready: %d blocks of %d tokens",
-                 self.group, self.runner.kv_cache.num_blocks, self.runner.kv_cache.block_size)
+        log.info(
+            "worker group %s ready: %d blocks of %d tokens",
+            self.group,
+            self.runner.kv_cache.num_blocks,
+            self.runner.kv_cache.block_size,
+        )
 
     async def run(self) -> None:
         await self.announce()
@@ -114,8 +118,9 @@ class WorkerService:
         self.metrics.requests.set(len(self.runner.requests))
         if result.error:
             self.metrics.step_failures.inc()
-        log.debug("step %d: %d tokens in %.2f ms", plan.step_id, result.num_tokens,
-                  result.step_s * 1e3)
+        log.debug(
+            "step %d: %d tokens in %.2f ms", plan.step_id, result.num_tokens, result.step_s * 1e3
+        )
         return outcome
 
     async def _publish(self, outcome: StepOutcome) -> None:

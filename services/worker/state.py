@@ -25,7 +25,7 @@ class RequestState:
     finish_reason: FinishReason | None = field(default=None)
 
     @classmethod
-    def from_new(cls, new: NewRequest) -> "RequestState":
+    def from_new(cls, new: NewRequest) -> RequestState:
         return cls(
             request_id=new.request_id,
             token_ids=list(new.input_ids) + list(new.generated_ids),
@@ -54,7 +54,10 @@ def stop_reason(
     state: RequestState, token_id: int, eos_token_ids: set[int], max_model_len: int
 ) -> FinishReason | None:
     """Token-level stop rules after appending token_id. Length wins over EOS (TGI)."""
-    if state.num_generated >= state.stopping.max_new_tokens or len(state.token_ids) >= max_model_len:
+    if (
+        state.num_generated >= state.stopping.max_new_tokens
+        or len(state.token_ids) >= max_model_len
+    ):
         return FinishReason.LENGTH
     if token_id in state.stopping.stop_token_ids:
         return FinishReason.EOS_TOKEN

@@ -517,7 +517,7 @@ def test_selectors_match_pods() -> None:
             selector = obj["spec"]["selector"]["matchLabels"]
         else:
             continue
-        assert any(selector.items() <= l.items() for l in labels), (
+        assert any(selector.items() <= pod_labels.items() for pod_labels in labels), (
             f"{kind} {obj['metadata']['name']}"
         )
     pdbs = by_kind(base_objects(), "PodDisruptionBudget")

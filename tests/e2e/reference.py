@@ -22,11 +22,16 @@ def tokenizer(folder: Path):
     return AutoTokenizer.from_pretrained(folder)
 
 
-def greedy_ids(folder: Path, prompt: str, max_new_tokens: int, eos_token_ids: list[int]) -> list[int]:
+def greedy_ids(
+    folder: Path, prompt: str, max_new_tokens: int, eos_token_ids: list[int]
+) -> list[int]:
     input_ids = tokenizer(folder)(prompt).input_ids
     with torch.inference_mode():
         out = reference_model(folder).generate(
-            torch.tensor([input_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-            eos_token_id=eos_token_ids, pad_token_id=0,
+            torch.tensor([input_ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos_token_ids,
+            pad_token_id=0,
         )
-    return out[0, len(input_ids):].tolist()
+    return out[0, len(input_ids) :].tolist()

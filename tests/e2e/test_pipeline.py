@@ -61,8 +61,12 @@ def test_sixteen_concurrent_mixed_requests_match_transformers(tiny_cluster, tiny
     assert all(s.num_free_blocks == s.num_blocks for s in after.values()), after
     assert all(s.num_running == 0 and s.num_waiting == 0 for s in after.values())
     assert max(s.max_step_batch_size for s in after.values()) > 1
-    joined = sum(a.num_joined_running - (b.num_joined_running if b else 0) for a, b in delta.values())
-    chunks = sum(a.num_prefill_chunks - (b.num_prefill_chunks if b else 0) for a, b in delta.values())
+    joined = sum(
+        a.num_joined_running - (b.num_joined_running if b else 0) for a, b in delta.values()
+    )
+    chunks = sum(
+        a.num_prefill_chunks - (b.num_prefill_chunks if b else 0) for a, b in delta.values()
+    )
     mixed = sum(a.num_mixed_steps - (b.num_mixed_steps if b else 0) for a, b in delta.values())
     assert joined > 0, "no request joined a running batch"
     assert chunks > 0, "no prompt was prefilled in chunks"
@@ -74,11 +78,15 @@ def test_sixteen_concurrent_mixed_requests_match_transformers(tiny_cluster, tiny
 
 async def _many(urls: list[str], cases: list[tuple[str, int]]) -> list[dict]:
     async with httpx.AsyncClient() as client:
-        first = [asyncio.create_task(generate(client, urls[i % len(urls)], p, n))
-                 for i, (p, n) in enumerate(cases[:8])]
+        first = [
+            asyncio.create_task(generate(client, urls[i % len(urls)], p, n))
+            for i, (p, n) in enumerate(cases[:8])
+        ]
         await asyncio.sleep(0.3)
-        second = [asyncio.create_task(generate(client, urls[(i + 1) % len(urls)], p, n))
-                  for i, (p, n) in enumerate(cases[8:])]
+        second = [
+            asyncio.create_task(generate(client, urls[(i + 1) % len(urls)], p, n))
+            for i, (p, n) in enumerate(cases[8:])
+        ]
         return list(await asyncio.gather(*first, *second))
 
 
@@ -90,8 +98,9 @@ def test_long_prompt_is_chunked_while_others_decode(tiny_cluster, tiny_llama):
     async def scenario():
         async with httpx.AsyncClient() as client:
             url = tiny_cluster.gateway_urls[0]
-            decoders = [asyncio.create_task(generate(client, url, prompt_text(i, 4), 60))
-                        for i in range(4)]
+            decoders = [
+                asyncio.create_task(generate(client, url, prompt_text(i, 4), 60)) for i in range(4)
+            ]
             await asyncio.sleep(0.5)  # they are decoding now
             long = await generate(client, url, long_prompt, 10)
             return long, await asyncio.gather(*decoders)
@@ -112,7 +121,7 @@ def sse_events(text: str) -> list[dict]:
     for block in text.split("\n\n"):
         block = block.strip()
         if block.startswith("data:"):
-            events.append(json.loads(block[len("data:"):]))
+            events.append(json.loads(block[len("data:") :]))
     return events
 
 
@@ -143,14 +152,22 @@ def test_generate_stream_events(tiny_cluster, tiny_llama):
 
 
 VALIDATION = [
-    ({"inputs": "Hi", "parameters": {"max_new_tokens": 0}},
-     "Input validation error: `max_new_tokens` must be strictly positive"),
-    ({"inputs": "Hi", "parameters": {"top_p": 1.0}},
-     "Input validation error: `top_p` must be > 0.0 and < 1.0"),
-    ({"inputs": "Hi", "parameters": {"temperature": 0}},
-     "Input validation error: `temperature` must be strictly positive"),
-    ({"inputs": "Hi", "parameters": {"stop": ["a", "b", "c", "d", "e"]}},
-     "Input validation error: `stop` supports up to 4 stop sequences. Given: 5"),
+    (
+        {"inputs": "Hi", "parameters": {"max_new_tokens": 0}},
+        "Input validation error: `max_new_tokens` must be strictly positive",
+    ),
+    (
+        {"inputs": "Hi", "parameters": {"top_p": 1.0}},
+        "Input validation error: `top_p` must be > 0.0 and < 1.0",
+    ),
+    (
+        {"inputs": "Hi", "parameters": {"temperature": 0}},
+        "Input validation error: `temperature` must be strictly positive",
+    ),
+    (
+        {"inputs": "Hi", "parameters": {"stop": ["a", "b", "c", "d", "e"]}},
+        "Input validation error: `stop` supports up to 4 stop sequences. Given: 5",
+    ),
     ({"inputs": "", "parameters": {}}, "Input validation error: `inputs` cannot be empty"),
 ]
 
@@ -165,31 +182,51 @@ def test_validation_errors(tiny_cluster, body, message):
 def test_validation_of_lengths(tiny_cluster):
     url = tiny_cluster.gateway_urls[0]
     too_long = " ".join(["the cat sat on the mat"] * 200)  # > 511 input tokens
-    response = httpx.post(f"{url}/generate", timeout=30,
-                          json={"inputs": too_long, "parameters": {"max_new_tokens": 5}})
+    response = httpx.post(
+        f"{url}/generate",
+        timeout=30,
+        json={"inputs": too_long, "parameters": {"max_new_tokens": 5}},
+    )
     assert response.status_code == 422
     assert response.json()["error_type"] == "validation"
     assert "must have less than 511 tokens" in response.json()["error"]
     prompt = prompt_text(1, 40)
-    response = httpx.post(f"{url}/generate", timeout=30,
-                          json={"inputs": prompt, "parameters": {"max_new_tokens": 500}})
+    response = httpx.post(
+        f"{url}/generate",
+        timeout=30,
+        json={"inputs": prompt, "parameters": {"max_new_tokens": 500}},
+    )
     assert response.status_code == 422
     assert "`inputs` tokens + `max_new_tokens` must be <= 512" in response.json()["error"]
-    ok = httpx.post(f"{url}/generate", timeout=30,
-                    json={"inputs": "Hi", "parameters": {"top_p": 0.9, "max_new_tokens": 2}})
+    ok = httpx.post(
+        f"{url}/generate",
+        timeout=30,
+        json={"inputs": "Hi", "parameters": {"top_p": 0.9, "max_new_tokens": 2}},
+    )
     assert ok.status_code == 200
 
 
 def test_top_p_point_nine_and_sampling_work_and_stream_validation_is_in_band(tiny_cluster):
     url = tiny_cluster.gateway_urls[1]
-    response = httpx.post(f"{url}/generate_stream", timeout=30,
-                          json={"inputs": "Hi", "parameters": {"max_new_tokens": 0}})
+    response = httpx.post(
+        f"{url}/generate_stream",
+        timeout=30,
+        json={"inputs": "Hi", "parameters": {"max_new_tokens": 0}},
+    )
     assert response.status_code == 200
     (event,) = sse_events(response.text)
     assert event["error_type"] == "validation"
-    sampled = [httpx.post(f"{url}/generate", timeout=30, json={
-        "inputs": "Hi", "parameters": {"do_sample": True, "seed": 5, "max_new_tokens": 8,
-                                       "details": True}}).json() for _ in range(2)]
+    sampled = [
+        httpx.post(
+            f"{url}/generate",
+            timeout=30,
+            json={
+                "inputs": "Hi",
+                "parameters": {"do_sample": True, "seed": 5, "max_new_tokens": 8, "details": True},
+            },
+        ).json()
+        for _ in range(2)
+    ]
     assert sampled[0]["generated_text"] == sampled[1]["generated_text"]
     assert sampled[0]["details"]["seed"] == 5
 
@@ -197,15 +234,53 @@ def test_top_p_point_nine_and_sampling_work_and_stream_validation_is_in_band(tin
 def test_real_model_writes_the_documented_story(stories_cluster):
     """stories260k, greedy, 40 tokens from 'Once upon a time' (its SOURCE.md)."""
     response = httpx.post(
-        f"{stories_cluster.gateway_urls[0]}/generate", timeout=60,
+        f"{stories_cluster.gateway_urls[0]}/generate",
+        timeout=60,
         json={"inputs": "Once upon a time", "parameters": {"max_new_tokens": 40, "details": True}},
     )
     assert response.status_code == 200, response.text
     body = response.json()
     assert [t["id"] for t in body["details"]["tokens"]] == [
-        432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396, 267, 337, 410,
-        408, 419, 292, 411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394, 261, 370,
-        432, 352, 266, 268, 388, 426,
+        432,
+        383,
+        286,
+        261,
+        376,
+        298,
+        315,
+        421,
+        395,
+        317,
+        426,
+        338,
+        401,
+        396,
+        267,
+        337,
+        410,
+        408,
+        419,
+        292,
+        411,
+        322,
+        265,
+        282,
+        295,
+        433,
+        426,
+        385,
+        328,
+        432,
+        358,
+        394,
+        261,
+        370,
+        432,
+        352,
+        266,
+        268,
+        388,
+        426,
     ]
     assert body["generated_text"] == (
         ", there was a little girl named Lily. She loved to play outside in the park. "
@@ -214,8 +289,14 @@ def test_real_model_writes_the_documented_story(stories_cluster):
 
 
 def test_real_model_concurrent_parity(stories_cluster, stories_model):
-    prompts = ["Once upon a time", "The little dog", "Lily and Tom went to the park",
-               "One day, a big bird", "Tim had a red ball. He", "The sun was hot"] * 2
+    prompts = [
+        "Once upon a time",
+        "The little dog",
+        "Lily and Tom went to the park",
+        "One day, a big bird",
+        "Tim had a red ball. He",
+        "The sun was hot",
+    ] * 2
     lengths = [20 + (i * 13) % 60 for i in range(len(prompts))]
     bodies = asyncio.run(_many(stories_cluster.gateway_urls, list(zip(prompts, lengths))))
     for prompt, n, body in zip(prompts, lengths, bodies):

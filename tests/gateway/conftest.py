@@ -18,8 +18,13 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     vocab_size = train_tokenizer(folder)
     (folder / "config.json").write_text(
         json.dumps(
-            {"model_type": "llama", "vocab_size": vocab_size, "max_position_embeddings": 512,
-             "bos_token_id": 1, "eos_token_id": 2}
+            {
+                "model_type": "llama",
+                "vocab_size": vocab_size,
+                "max_position_embeddings": 512,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+            }
         )
     )
     return folder

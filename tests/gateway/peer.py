@@ -51,7 +51,8 @@ class WorkerPeer:
             entries = await read_stream(
                 self.client, self.channels.requests, last_id, GenerateRequest, block_ms=100
             )
-            for last_id, request in entries:
+            for entry_id, request in entries:
+                last_id = entry_id
                 self.requests.append(request)
                 task = asyncio.create_task(self._answer(request))
                 self._replies.add(task)
@@ -64,8 +65,11 @@ class WorkerPeer:
         if "SILENT" in prompt:
             return
         if "FAIL" in prompt:
-            event = TokenEvent(request_id=request.request_id, error="worker exploded",
-                               scheduled_at=request.created_at)
+            event = TokenEvent(
+                request_id=request.request_id,
+                error="worker exploded",
+                scheduled_at=request.created_at,
+            )
             await self._publish(request, event)
             return
         ids = [*self.continuation_ids, EOS][: request.stopping.max_new_tokens]
@@ -81,7 +85,8 @@ class WorkerPeer:
                 token_ids=[token_id],
                 logprobs=[LOGPROB],
                 top_tokens=[[TopToken(id=token_id + k, logprob=LOGPROB - k) for k in range(top_n)]]
-                if top_n else [],
+                if top_n
+                else [],
                 finish_reason=reason,
                 scheduled_at=request.created_at + 0.001 if position == 0 else 0.0,
             )

@@ -33,7 +33,7 @@ def test_malformed_json():
         b'{"inputs":"x","parameters":{"max_new_tokens":"5"}}',
         b'{"inputs":"x","parameters":{"max_new_tokens":1.5}}',
         b'{"inputs":5}',
-        b'[1, 2]',
+        b"[1, 2]",
     ],
 )
 def test_wrong_shape(raw):

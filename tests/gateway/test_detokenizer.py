@@ -28,9 +28,9 @@ def test_concatenation_equals_decode(tokenizer, text):
     full = tokenizer.encode(prompt + " " + text)
     prompt_ids = tokenizer.encode(prompt)
     assert full[: len(prompt_ids)] == prompt_ids
-    generated = full[len(prompt_ids):]
+    generated = full[len(prompt_ids) :]
     texts = detokenize(tokenizer, prompt, generated)
-    expected = tokenizer.decode(full)[len(tokenizer.decode(prompt_ids)):]
+    expected = tokenizer.decode(full)[len(tokenizer.decode(prompt_ids)) :]
     assert "".join(texts) == expected
     assert expected.endswith(text.rstrip()[-3:])
 

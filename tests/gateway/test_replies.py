@@ -5,8 +5,9 @@ from shared.messages import FinishReason, ReplyBatch, TokenEvent
 
 
 def event(index: int, ids: list[int], **kwargs) -> TokenEvent:
-    return TokenEvent(request_id="r", index=index, token_ids=ids,
-                      logprobs=[-float(i) for i in ids], **kwargs)
+    return TokenEvent(
+        request_id="r", index=index, token_ids=ids, logprobs=[-float(i) for i in ids], **kwargs
+    )
 
 
 def test_without_duplicates():
@@ -22,8 +23,15 @@ async def test_router_demux_drops_unknown_and_replayed():
     router = ReplyRouter(client=None, channel="c")
     queue = router.register("r")
     other = router.register("o")
-    router.dispatch(ReplyBatch(events=[event(1, [5]), event(2, [6]),
-                                       TokenEvent(request_id="ghost", index=1, token_ids=[1])]))
+    router.dispatch(
+        ReplyBatch(
+            events=[
+                event(1, [5]),
+                event(2, [6]),
+                TokenEvent(request_id="ghost", index=1, token_ids=[1]),
+            ]
+        )
+    )
     # the request was replayed on another worker group: its first tokens come again
     router.dispatch(ReplyBatch(events=[event(1, [5, 6, 7])]))
     received = [queue.get_nowait() for _ in range(queue.qsize())]

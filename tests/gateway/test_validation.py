@@ -6,8 +6,13 @@ from services.gateway.errors import ValidationError
 from services.gateway.schemas import GenerateBody, GenerateParameters
 from services.gateway.validation import Limits, check_gates, check_lengths, validate_parameters
 
-LIMITS = Limits(max_input_tokens=100, max_total_tokens=200, max_best_of=2,
-                max_stop_sequences=4, max_top_n_tokens=5)
+LIMITS = Limits(
+    max_input_tokens=100,
+    max_total_tokens=200,
+    max_best_of=2,
+    max_stop_sequences=4,
+    max_top_n_tokens=5,
+)
 
 
 def message(params: dict, inputs: str = "Hi", limits: Limits = LIMITS) -> str:
@@ -30,8 +35,7 @@ def message(params: dict, inputs: str = "Hi", limits: Limits = LIMITS) -> str:
         ({"top_k": 0}, "`top_k` must be strictly positive"),
         ({"max_new_tokens": 0}, "`max_new_tokens` must be strictly positive"),
         ({"stop": ["a"] * 5}, "`stop` supports up to 4 stop sequences. Given: 5"),
-        ({"best_of": 2, "do_sample": True, "seed": 3},
-         "`seed` must not be set when `best_of` > 1"),
+        ({"best_of": 2, "do_sample": True, "seed": 3}, "`seed` must not be set when `best_of` > 1"),
         ({"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
         ({"truncate": 0}, "`truncate` must be strictly positive and less than 100. Given: 0"),
         ({"truncate": 101}, "`truncate` must be strictly positive and less than 100. Given: 101"),
@@ -101,5 +105,7 @@ def test_lengths():
 
 def test_total_length_message_reports_clamped_max_new_tokens():
     limits = Limits(max_input_tokens=100, max_total_tokens=2000)
-    with pytest.raises(ValidationError, match="Given: 50 `inputs` tokens and 1024 `max_new_tokens`"):
+    with pytest.raises(
+        ValidationError, match="Given: 50 `inputs` tokens and 1024 `max_new_tokens`"
+    ):
         check_lengths(50, 1990, limits)

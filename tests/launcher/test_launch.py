@@ -38,9 +38,21 @@ def launch(model: Path, port: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("REDIS_URL", None)
     return subprocess.Popen(
-        [sys.executable, "-m", "services.launcher.cli", "launch", "--model-id", str(model),
-         "--port", str(port)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        [
+            sys.executable,
+            "-m",
+            "services.launcher.cli",
+            "launch",
+            "--model-id",
+            str(model),
+            "--port",
+            str(port),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
     )
 
 
@@ -78,14 +90,27 @@ def test_launch_serves_the_readme_curl_and_stops_on_sigterm(launched):
     # the README's example, through curl
     body = json.dumps({"inputs": "Once upon a time", "parameters": {"max_new_tokens": 40}})
     out = subprocess.run(
-        ["curl", "-s", f"localhost:{port}/generate", "-H", "Content-Type: application/json",
-         "-d", body], capture_output=True, text=True, timeout=60,
+        [
+            "curl",
+            "-s",
+            f"localhost:{port}/generate",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            body,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert json.loads(out.stdout)["generated_text"].startswith(
         ", there was a little girl named Lily."
     )
-    stream = httpx.post(f"http://127.0.0.1:{port}/generate_stream", timeout=60,
-                        json={"inputs": "Once upon a time", "parameters": {"max_new_tokens": 5}})
+    stream = httpx.post(
+        f"http://127.0.0.1:{port}/generate_stream",
+        timeout=60,
+        json={"inputs": "Once upon a time", "parameters": {"max_new_tokens": 5}},
+    )
     assert stream.text.count("data:") == 5
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 0

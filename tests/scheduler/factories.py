@@ -18,8 +18,9 @@ from shared.messages import (
 _ids = itertools.count()
 
 
-def request(num_prompt_tokens: int, max_new_tokens: int = 8, priority: int = 0,
-            deadline: float = 0.0) -> GenerateRequest:
+def request(
+    num_prompt_tokens: int, max_new_tokens: int = 8, priority: int = 0, deadline: float = 0.0
+) -> GenerateRequest:
     return GenerateRequest(
         request_id=f"q{next(_ids)}",
         input_ids=list(range(1, num_prompt_tokens + 1)),
@@ -32,11 +33,20 @@ def request(num_prompt_tokens: int, max_new_tokens: int = 8, priority: int = 0,
     )
 
 
-def scheduler(num_blocks: int = 64, block_size: int = 4, prefill: int = 32,
-              max_batch_size: int = 16, clock=lambda: 100.0) -> Scheduler:
+def scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    prefill: int = 32,
+    max_batch_size: int = 16,
+    clock=lambda: 100.0,
+) -> Scheduler:
     return Scheduler(
-        SchedulerConfig(num_blocks=num_blocks, block_size=block_size,
-                        max_batch_prefill_tokens=prefill, max_batch_size=max_batch_size),
+        SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_batch_prefill_tokens=prefill,
+            max_batch_size=max_batch_size,
+        ),
         clock=clock,
     )
 
@@ -55,7 +65,9 @@ def answer(s: Scheduler, plan: StepPlan, finish: set[str] = frozenset()) -> Step
         r = s.requests[request_id]
         if r.num_computed_tokens == len(r.token_ids):
             reason = FinishReason.LENGTH if request_id in finish else None
-            outputs.append(RequestOutput(request_id=request_id, token_ids=[7], finish_reason=reason))
+            outputs.append(
+                RequestOutput(request_id=request_id, token_ids=[7], finish_reason=reason)
+            )
         else:
             outputs.append(RequestOutput(request_id=request_id))
     result = StepResult(step_id=plan.step_id, outputs=outputs)

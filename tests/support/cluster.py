@@ -40,21 +40,40 @@ class Cluster:
     def _spawn(self, name: str, command: str, *flags: str) -> None:
         log = Path(tempfile.mkstemp(prefix=f"textgen-{name}-", suffix=".log")[1])
         self.logs[name] = log
-        argv = [sys.executable, "-m", "services.launcher.cli", command,
-                "--redis-url", self.redis_url, "--namespace", self.namespace,
-                "--model-id", str(self.model), *self.args, *flags]
+        argv = [
+            sys.executable,
+            "-m",
+            "services.launcher.cli",
+            command,
+            "--redis-url",
+            self.redis_url,
+            "--namespace",
+            self.namespace,
+            "--model-id",
+            str(self.model),
+            *self.args,
+            *flags,
+        ]
         self.processes[name] = subprocess.Popen(
             argv, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT
         )
 
-    def start(self, timeout: float = 180.0) -> "Cluster":
+    def start(self, timeout: float = 180.0) -> Cluster:
         for group in self.groups:
             self._spawn(f"worker-{group}", "worker", "--group", group)
             self._spawn(f"scheduler-{group}", "scheduler", "--group", group)
         for i in range(self.num_gateways):
             port = free_port()
-            self._spawn(f"gateway-{i}", "gateway", "--port", str(port), "--hostname", "127.0.0.1",
-                        "--gateway-id", f"gw{i}")
+            self._spawn(
+                f"gateway-{i}",
+                "gateway",
+                "--port",
+                str(port),
+                "--hostname",
+                "127.0.0.1",
+                "--gateway-id",
+                f"gw{i}",
+            )
             self.gateway_urls.append(f"http://127.0.0.1:{port}")
         self.wait_ready(timeout)
         return self

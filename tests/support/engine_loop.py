@@ -27,8 +27,14 @@ def make_request(input_ids: list[int], max_new_tokens: int, **sampling) -> Gener
 
 
 class EngineLoop:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16,
-                 max_batch_prefill_tokens: int = 4096, max_batch_size: int = 256) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int = 16,
+        max_batch_prefill_tokens: int = 4096,
+        max_batch_size: int = 256,
+    ) -> None:
         cache = PagedKVCache(loaded.cache_shape, num_blocks, block_size, loaded.device)
         self.runner = ModelRunner(
             loaded.model, cache, loaded.eos_token_ids, loaded.max_model_len, loaded.device

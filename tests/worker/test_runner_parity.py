@@ -14,10 +14,13 @@ def hf_greedy(model, input_ids: list[int], max_new_tokens: int, eos_token_ids) -
 
     reference = AutoModelForCausalLM.from_pretrained(model, attn_implementation="sdpa")
     out = reference.generate(
-        torch.tensor([input_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-        eos_token_id=eos_token_ids, pad_token_id=0,
+        torch.tensor([input_ids]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos_token_ids,
+        pad_token_id=0,
     )
-    return out[0, len(input_ids):].tolist()
+    return out[0, len(input_ids) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +54,7 @@ def test_busy_batch_with_chunked_prefill_matches_generate(loaded_tiny, tiny_llam
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa")
     engine = EngineLoop(loaded_tiny, num_blocks=200, max_batch_prefill_tokens=64)
-    requests = [make_request(p, max_new_tokens=8 + (i * 5) % 20)
-                for i, p in enumerate(prompts(12))]
+    requests = [make_request(p, max_new_tokens=8 + (i * 5) % 20) for i, p in enumerate(prompts(12))]
     for request in requests[:6]:
         engine.add(request)
     for _ in range(3):
@@ -62,9 +64,12 @@ def test_busy_batch_with_chunked_prefill_matches_generate(loaded_tiny, tiny_llam
     engine.run()
     for request in requests:
         expected = reference.generate(
-            torch.tensor([request.input_ids]), max_new_tokens=request.stopping.max_new_tokens,
-            do_sample=False, eos_token_id=loaded_tiny.eos_token_ids, pad_token_id=0,
-        )[0, len(request.input_ids):].tolist()
+            torch.tensor([request.input_ids]),
+            max_new_tokens=request.stopping.max_new_tokens,
+            do_sample=False,
+            eos_token_id=loaded_tiny.eos_token_ids,
+            pad_token_id=0,
+        )[0, len(request.input_ids) :].tolist()
         assert engine.tokens[request.request_id] == expected, request.request_id
     counters = engine.scheduler.counters
     assert counters.num_prefill_chunks > 0
@@ -87,9 +92,12 @@ def test_preemption_recomputes_exactly(loaded_tiny, tiny_llama):
     assert engine.scheduler.counters.num_preempted > 0
     for request in requests:
         expected = reference.generate(
-            torch.tensor([request.input_ids]), max_new_tokens=30, do_sample=False,
-            eos_token_id=loaded_tiny.eos_token_ids, pad_token_id=0,
-        )[0, len(request.input_ids):].tolist()
+            torch.tensor([request.input_ids]),
+            max_new_tokens=30,
+            do_sample=False,
+            eos_token_id=loaded_tiny.eos_token_ids,
+            pad_token_id=0,
+        )[0, len(request.input_ids) :].tolist()
         assert engine.tokens[request.request_id] == expected
     assert engine.scheduler.blocks.num_free_blocks == 12
 

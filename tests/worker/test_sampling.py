@@ -32,8 +32,10 @@ def test_seeded_draws_depend_only_on_seed_and_index():
     draws = [sample_one(row, params, [1], i).token_id for i in range(1, 20)]
     again = [sample_one(row.clone(), params, [1, 5, 6], i).token_id for i in range(1, 20)]
     assert draws == again
-    other = [sample_one(row, SamplingParams(do_sample=True, seed=43), [1], i).token_id
-             for i in range(1, 20)]
+    other = [
+        sample_one(row, SamplingParams(do_sample=True, seed=43), [1], i).token_id
+        for i in range(1, 20)
+    ]
     assert draws != other
     assert draw_seed(1, 2) != draw_seed(2, 1)
 
@@ -67,9 +69,14 @@ def test_repetition_and_frequency_penalties():
 
 def test_stop_rules_length_wins_over_eos():
     state = RequestState(
-        request_id="r", token_ids=[1, 5, 2], num_prompt_tokens=1, block_ids=[],
-        num_computed_tokens=0, sampling=SamplingParams(),
-        stopping=StoppingParams(max_new_tokens=2), reply_to="x",
+        request_id="r",
+        token_ids=[1, 5, 2],
+        num_prompt_tokens=1,
+        block_ids=[],
+        num_computed_tokens=0,
+        sampling=SamplingParams(),
+        stopping=StoppingParams(max_new_tokens=2),
+        reply_to="x",
     )
     assert stop_reason(state, 2, {2}, 512) == FinishReason.LENGTH
     state.stopping = StoppingParams(max_new_tokens=5)
