@@ -303,3 +303,37 @@ def test_real_model_concurrent_parity(stories_cluster, stories_model):
         assert generated_ids(body) == greedy_ids(stories_model, prompt, n, [2]), prompt
     stats = stories_cluster.wait_idle()
     assert all(s.num_free_blocks == s.num_blocks for s in stats.values())
+
+
+def test_client_disconnect_and_stop_sequence_free_the_blocks(tiny_cluster, tiny_llama):
+    """An abandoned stream and a stop-sequence hit end the request on the scheduler: its blocks
+    come back and nothing keeps decoding."""
+    url = tiny_cluster.gateway_urls[0]
+    before = tiny_cluster.stats()
+    with httpx.Client(timeout=60) as client:
+        with client.stream(
+            "POST",
+            f"{url}/generate_stream",
+            json={"inputs": prompt_text(2, 8), "parameters": {"max_new_tokens": 400}},
+        ) as response:
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    break  # first token arrived: walk away
+    expected = greedy_ids(tiny_llama, prompt_text(4, 6), 40, [2])
+    text = tokenizer(tiny_llama).decode(expected[:12], skip_special_tokens=True)
+    stop = text[-3:]
+    body = httpx.post(
+        f"{url}/generate",
+        timeout=60,
+        json={
+            "inputs": prompt_text(4, 6),
+            "parameters": {"max_new_tokens": 40, "stop": [stop], "details": True},
+        },
+    ).json()
+    assert body["details"]["finish_reason"] == "stop_sequence"
+    assert body["generated_text"].endswith(stop)
+    assert body["details"]["generated_tokens"] < 40
+    after = tiny_cluster.wait_idle()
+    assert all(s.num_free_blocks == s.num_blocks and s.num_running == 0 for s in after.values())
+    finished = sum(after[g].num_finished - before[g].num_finished for g in after)
+    assert finished == 0, "aborted requests must not run to completion"

@@ -91,7 +91,10 @@ class Cluster:
                         pending.discard(url)
                 except httpx.HTTPError:
                     pass
-            groups_ready = all(client.exists(channels.worker(g)) for g in self.groups)
+            groups_ready = all(
+                client.exists(channels.worker(g), channels.scheduler_stats(g)) == 2
+                for g in self.groups
+            )
             if not pending and groups_ready:
                 return
             time.sleep(0.2)
