@@ -55,6 +55,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     frequency_penalty: float = 0.0  # subtract count * value from logits of generated tokens
     seed: int = 0  # sampling seed; each token is drawn from (seed, token index)
     top_n_tokens: int = 0  # also return this many most likely alternatives per token
+    watermark: bool = False  # bias toward a green list seeded by the previous token (Kirchenbauer)
+    prefill_logprobs: bool = False  # also return the logprob of every prompt token
 
 
 class StoppingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -159,6 +161,8 @@ class TokenEvent(msgspec.Struct, omit_defaults=True, kw_only=True):
     top_tokens: list[list[TopToken]] = []  # per token, top_n_tokens alternatives (if asked)
     finish_reason: FinishReason | None = None  # set on the request's last event
     scheduled_at: float = 0.0  # on the first event: unix s the request was first scheduled
+    prefill_logprobs: list[float] = []  # on the first event, if asked: logprob of each prompt
+    # token given the ones before it (the first is NaN: nothing precedes it)
     error: str = ""  # non-empty: the request failed; the message for the client
     error_type: str = ""  # TGI error_type of `error` ("generation", ...)
 

@@ -70,6 +70,7 @@ class Finished:
     queue_s: float
     inference_s: float
     total_s: float
+    prefill: list[Token] = field(default_factory=list)  # prompt tokens, if asked (no `special`)
 
 
 class DeadlineExceeded(GatewayError):
@@ -269,6 +270,7 @@ class Generator:
     ) -> AsyncIterator[Token | Finished | KeepAlive]:
         decoder = _Decoder(self.tokenizer, prepared)
         scheduled_at: float | None = None
+        prefill: list[Token] = []
         self._count(queued=1)
         try:
             while True:
@@ -281,6 +283,8 @@ class Generator:
                     self._count(queued=-1, running=1)
                 if event.error:
                     raise generation_failed(event.error, event.error_type)
+                if event.prefill_logprobs and not prefill:
+                    prefill = self._prefill(prepared.input_ids, event.prefill_logprobs)
                 for position in range(len(event.token_ids)):
                     token = decoder.token(event, position)
                     is_last = position == len(event.token_ids) - 1
@@ -293,7 +297,7 @@ class Generator:
                         if reason != FinishReason.STOP_SEQUENCE:
                             token.text += decoder.flush()
                         token.finished = self._finished(
-                            decoder, prepared, reason, enqueued_at, scheduled_at
+                            decoder, prepared, reason, enqueued_at, scheduled_at, prefill
                         )
                         yield token
                         yield token.finished
@@ -302,13 +306,20 @@ class Generator:
                 if event.finish_reason is not None:  # a final event without tokens
                     decoder.flush()
                     yield self._finished(
-                        decoder, prepared, event.finish_reason, enqueued_at, scheduled_at
+                        decoder, prepared, event.finish_reason, enqueued_at, scheduled_at, prefill
                     )
                     return
         finally:
             self._count(
                 queued=-1 if scheduled_at is None else 0, running=0 if scheduled_at is None else -1
             )
+
+    def _prefill(self, input_ids: list[int], logprobs: list[float]) -> list[Token]:
+        """TGI's `details.prefill`: each prompt token with its logprob (the first is null)."""
+        return [
+            Token(0, token_id, self.tokenizer.token_text(token_id), finite(logprob), False)
+            for token_id, logprob in zip(input_ids, logprobs, strict=False)
+        ]
 
     def _count(self, queued: int = 0, running: int = 0) -> None:
         self.num_queued += queued
@@ -323,6 +334,7 @@ class Generator:
         reason: FinishReason,
         enqueued_at: float,
         scheduled_at: float,
+        prefill: list[Token],
     ) -> Finished:
         now = time.time()
         scheduled_at = max(scheduled_at, enqueued_at)
@@ -336,6 +348,7 @@ class Generator:
             queue_s=scheduled_at - enqueued_at,
             inference_s=now - scheduled_at,
             total_s=now - prepared.arrived_at,
+            prefill=prefill,
         )
         self.metrics.request_succeeded(
             total_s=finished.total_s,

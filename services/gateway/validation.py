@@ -133,6 +133,10 @@ def validate_parameters(
         )
     if params.grammar is not None:
         raise ValidationError("grammar is not supported")
+    if params.adapter_id is not None:
+        raise ValidationError(
+            f"adapter_id {params.adapter_id!r} is not supported: this server loads no adapters"
+        )
     return ValidatedParameters(
         sampling=SamplingParams(
             do_sample=sampling,
@@ -144,6 +148,8 @@ def validate_parameters(
             frequency_penalty=frequency_penalty,
             seed=seed,
             top_n_tokens=top_n_tokens,
+            watermark=params.watermark,
+            prefill_logprobs=params.decoder_input_details,
         ),
         is_sampling=sampling,
         best_of=best_of,

@@ -40,6 +40,9 @@ class PackedBatch:
     metadata: AttentionMetadata
     sample_rows: torch.Tensor  # [num_sampling] packed index of each sampling request's last token
     sampling: list[RequestState]  # requests that sample this step, in row order
+    prompt_rows: list[int]  # packed rows whose logits score the next prompt token
+    prompt_targets: list[int]  # the prompt token each of prompt_rows scores
+    prompt_owners: list[RequestState]  # the request of each of prompt_rows
 
 
 class ModelRunner:
@@ -110,6 +113,9 @@ class ModelRunner:
         context_lens: list[int] = []
         sample_rows: list[int] = []
         sampling: list[RequestState] = []
+        prompt_rows: list[int] = []
+        prompt_targets: list[int] = []
+        prompt_owners: list[RequestState] = []
         for state in scheduled:
             start = state.num_computed_tokens
             end = start + state.num_scheduled_tokens
@@ -123,6 +129,13 @@ class ModelRunner:
             if state.samples_this_step:
                 sample_rows.append(query_start[-1] - 1)
                 sampling.append(state)
+            if state.wants_prompt_logprobs:
+                if start == 0:
+                    state.prompt_logprobs = [float("nan")]  # nothing precedes the first token
+                for position in range(start, min(end, state.num_prompt_tokens - 1)):
+                    prompt_rows.append(query_start[-2] + position - start)
+                    prompt_targets.append(state.token_ids[position + 1])
+                    prompt_owners.append(state)
         decode_indices = [i for i, s in enumerate(scheduled) if s.num_scheduled_tokens == 1]
         metadata = AttentionMetadata(
             kv_cache=self.kv_cache,
@@ -145,13 +158,19 @@ class ModelRunner:
             metadata=metadata,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
             sampling=sampling,
+            prompt_rows=prompt_rows,
+            prompt_targets=prompt_targets,
+            prompt_owners=prompt_owners,
         )
 
     @torch.inference_mode()
     def _forward(self, batch: PackedBatch) -> torch.Tensor:
         """Logits of the sampling rows. [num_sampling, vocab]"""
-        if not batch.sampling:
-            logits_to_keep: int | torch.Tensor = 1  # nothing samples; keep the cost minimal
+        if batch.prompt_rows:
+            prompt_rows = torch.tensor(batch.prompt_rows, dtype=torch.long, device=self.device)
+            logits_to_keep: int | torch.Tensor = torch.cat([batch.sample_rows, prompt_rows])
+        elif not batch.sampling:
+            logits_to_keep = 1  # nothing samples; keep the cost minimal
         else:
             logits_to_keep = batch.sample_rows
         output = self.model(
@@ -161,7 +180,18 @@ class ModelRunner:
             logits_to_keep=logits_to_keep,
             **{METADATA_KWARG: batch.metadata},
         )
-        return output.logits[0]
+        logits = output.logits[0]
+        if batch.prompt_rows:
+            self._score_prompt(batch, logits[len(batch.sampling) :])
+        return logits[: len(batch.sampling)]
+
+    @staticmethod
+    def _score_prompt(batch: PackedBatch, logits: torch.Tensor) -> None:
+        """Append each prompt token's logprob to its request. logits: [num_prompt_rows, vocab]"""
+        targets = torch.tensor(batch.prompt_targets, device=logits.device)[:, None]
+        logprobs = logits.float().log_softmax(-1).gather(1, targets)[:, 0].tolist()
+        for owner, logprob in zip(batch.prompt_owners, logprobs, strict=True):
+            owner.prompt_logprobs.append(logprob)
 
     def _sample(self, sampling: list[RequestState], logits: torch.Tensor) -> list[Sampled]:
         samples: list[Sampled | None] = [None] * len(sampling)
@@ -209,6 +239,8 @@ class ModelRunner:
             )
             if not state.has_sent_first_event:
                 event.scheduled_at = state.scheduled_at
+                if state.wants_prompt_logprobs:
+                    event.prefill_logprobs = state.prompt_logprobs
                 state.has_sent_first_event = True
             events[state.reply_to].append(event)
             if reason is not None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.watermark import apply_watermark
 from shared.messages import SamplingParams, TopToken
 
 _MASK64 = (1 << 64) - 1
@@ -80,6 +81,8 @@ def sample_one(
 ) -> Sampled:
     """The next token of one request from its logits row. [vocab] float32"""
     logits = apply_penalties(logits.float(), params, token_ids)
+    if params.watermark:
+        logits = apply_watermark(logits, token_ids)
     if params.do_sample:
         logits = warp(logits, params)
     log_probs = logits.log_softmax(-1)
@@ -119,4 +122,9 @@ def _top_tokens(log_probs: torch.Tensor, n: int) -> list[TopToken]:
 
 def needs_own_row(params: SamplingParams) -> bool:
     """True when the request cannot take the batched greedy path."""
-    return params.do_sample or params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
+    return (
+        params.do_sample
+        or params.watermark
+        or params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+    )

@@ -23,6 +23,8 @@ class RequestState:
     has_sent_first_event: bool = False
     num_scheduled_tokens: int = 0  # of the step being executed
     finish_reason: FinishReason | None = field(default=None)
+    prompt_logprobs: list[float] = field(default_factory=list)  # filled chunk by chunk if asked
+    is_resumed: bool = False  # arrived with generated tokens: its first event went out before
 
     @classmethod
     def from_new(cls, new: NewRequest) -> RequestState:
@@ -38,11 +40,19 @@ class RequestState:
             scheduled_at=new.scheduled_at,
             traceparent=new.traceparent,
             num_scheduled_tokens=new.num_scheduled_tokens,
+            is_resumed=bool(new.generated_ids),
         )
 
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Asked for, and not delivered yet (a resumed request delivered them before)."""
+        return (
+            self.sampling.prefill_logprobs and not self.has_sent_first_event and not self.is_resumed
+        )
 
     @property
     def samples_this_step(self) -> bool:

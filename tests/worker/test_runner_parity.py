@@ -111,3 +111,75 @@ def test_request_larger_than_the_cache_fails_instead_of_waiting(loaded_tiny):
     assert ended.request_id == request.request_id
     assert "KV cache" in ended.error
     assert engine.scheduler.num_unfinished == 0
+
+
+def test_prompt_logprobs_match_transformers_across_chunks(loaded_tiny, tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa")
+    prompt = prompts(3)[2]  # 79 tokens: three chunks under a 32-token budget
+    engine = EngineLoop(loaded_tiny, num_blocks=64, max_batch_prefill_tokens=32)
+    request = make_request(prompt, max_new_tokens=2, prefill_logprobs=True)
+    other = make_request(prompts(2)[1], max_new_tokens=6)  # decodes alongside
+    engine.add(other)
+    engine.step()
+    engine.add(request)
+    events = []
+    original = engine.runner.execute
+
+    def spy(plan):
+        outcome = original(plan)
+        events.extend(e for batch in outcome.events.values() for e in batch)
+        return outcome
+
+    engine.runner.execute = spy
+    engine.run()
+    (first,) = [e for e in events if e.request_id == request.request_id and e.index == 1]
+    with torch.inference_mode():
+        logits = reference(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    expected = logits[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    got = torch.tensor(first.prefill_logprobs)
+    assert len(got) == len(prompt) and torch.isnan(got[0])
+    assert torch.allclose(got[1:], expected, atol=1e-4)
+    assert engine.scheduler.counters.num_prefill_chunks >= 2
+    later = [e for e in events if e.request_id == request.request_id and e.index > 1]
+    assert all(not e.prefill_logprobs for e in later)
+
+
+def test_top_tokens_match_transformers_top_k(loaded_tiny, tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa")
+    prompt = prompts(1)[0]
+    engine = EngineLoop(loaded_tiny, num_blocks=64)
+    request = make_request(prompt, max_new_tokens=1, top_n_tokens=4)
+    engine.add(request)
+    plan = engine.scheduler.schedule()
+    outcome = engine.runner.execute(plan)
+    (event,) = outcome.events["test"]
+    with torch.inference_mode():
+        logprobs = reference(torch.tensor([prompt])).logits[0, -1].log_softmax(-1)
+    values, ids = torch.topk(logprobs, 4)
+    assert [t.id for t in event.top_tokens[0]] == ids.tolist()
+    assert torch.allclose(torch.tensor([t.logprob for t in event.top_tokens[0]]), values, atol=1e-4)
+
+
+def test_watermark_makes_sampled_text_green(loaded_tiny):
+    from services.worker.watermark import GAMMA, green_fraction
+
+    vocab = loaded_tiny.model.config.vocab_size
+    fractions = {}
+    for watermark in (False, True):
+        engine = EngineLoop(loaded_tiny, num_blocks=128)
+        requests = [
+            make_request(p[:8], max_new_tokens=60, do_sample=True, seed=i, watermark=watermark)
+            for i, p in enumerate(prompts(4))
+        ]
+        for request in requests:
+            engine.add(request)
+        engine.run()
+        fractions[watermark] = sum(
+            green_fraction(engine.tokens[r.request_id], vocab) for r in requests
+        ) / len(requests)
+    assert abs(fractions[False] - GAMMA) < 0.12
+    assert fractions[True] > GAMMA + 0.2
