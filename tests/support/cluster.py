@@ -62,21 +62,40 @@ class Cluster:
         for group in self.groups:
             self._spawn(f"worker-{group}", "worker", "--group", group)
             self._spawn(f"scheduler-{group}", "scheduler", "--group", group)
-        for i in range(self.num_gateways):
-            port = free_port()
-            self._spawn(
-                f"gateway-{i}",
-                "gateway",
-                "--port",
-                str(port),
-                "--hostname",
-                "127.0.0.1",
-                "--gateway-id",
-                f"gw{i}",
-            )
-            self.gateway_urls.append(f"http://127.0.0.1:{port}")
+        for _ in range(self.num_gateways):
+            self.gateway_urls.append(self._spawn_gateway())
         self.wait_ready(timeout)
         return self
+
+    def _spawn_gateway(self, *flags: str) -> str:
+        i = sum(name.startswith("gateway-") for name in self.processes)
+        port = free_port()
+        self._spawn(
+            f"gateway-{i}",
+            "gateway",
+            "--port",
+            str(port),
+            "--hostname",
+            "127.0.0.1",
+            "--gateway-id",
+            f"gw{i}",
+            *flags,
+        )
+        return f"http://127.0.0.1:{port}"
+
+    def add_gateway(self, *flags: str, timeout: float = 60.0) -> str:
+        """One more gateway on the running cluster, with its own flags; its URL once healthy."""
+        url = self._spawn_gateway(*flags)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"gateway {url} not ready\n{self.log_tails()}")
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
