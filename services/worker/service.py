@@ -41,9 +41,11 @@ class WorkerService:
         self.metrics = WorkerMetrics()
         self.tracer = tracer("textgen.worker")
         budget = settings.kv_cache_memory or default_budget(loaded.device)
-        num_blocks = plan_num_blocks(
-            loaded.cache_shape, settings.block_size, budget, settings.max_batch_total_tokens
+        # never more than a full batch of full contexts could use
+        max_tokens = (
+            settings.max_batch_total_tokens or settings.max_batch_size * loaded.max_model_len
         )
+        num_blocks = plan_num_blocks(loaded.cache_shape, settings.block_size, budget, max_tokens)
         cache = PagedKVCache(loaded.cache_shape, num_blocks, settings.block_size, loaded.device)
         self.metrics.kv_blocks.set(num_blocks)
         self.runner = ModelRunner(
