@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from services.gateway import info_routes, tgi_routes
 from services.gateway.generation import Generator
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.openapi_routes import describe_routes
 from services.gateway.replies import ReplyRouter
 from services.gateway.state import Admission, GatewayState
 from services.gateway.tokenizer import TextTokenizer
@@ -101,4 +102,5 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.gateway = state
     app.include_router(tgi_routes.router)
     app.include_router(info_routes.router)
+    describe_routes(app)
     return app
