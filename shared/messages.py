@@ -196,6 +196,7 @@ class Heartbeat(Message):
     at: float  # unix s of the beat
     last_step_id: int = 0  # last step executed
     num_requests: int = 0  # requests held by the worker
+    is_last_step_ok: bool = True  # False after a failed step, until a step succeeds again
 
 
 class SchedulerStats(Message):

@@ -5,7 +5,7 @@
   `traceparent` string (`inject_traceparent` / `extract_context`), so one trace spans
   gateway -> scheduler -> worker. With no SDK configured every span is a no-op.
 - Metrics: prometheus_client objects live in each service's own `metrics.py` on a registry
-  made here; scheduler and worker expose them on `--metrics-port`.
+  made here; scheduler and worker expose them on `--metrics-port` (shared/ops_server.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 _propagator = TraceContextTextMapPropagator()
 
@@ -89,12 +89,6 @@ def extract_context(traceparent: str) -> otel_context.Context | None:
 
 def new_registry() -> CollectorRegistry:
     return CollectorRegistry(auto_describe=True)
-
-
-def serve_metrics(registry: CollectorRegistry, port: int | None) -> None:
-    """Expose `registry` on http://0.0.0.0:port/metrics (no-op without a port)."""
-    if port:
-        start_http_server(port, registry=registry)
 
 
 def now() -> float:

@@ -16,6 +16,8 @@ from services.gateway.schemas import TokenizeBody
 from services.gateway.state import GatewayState
 from services.gateway.tgi_routes import decode, gateway
 from services.gateway.tokenizer import TokenizerError
+from shared.codec import decode as decode_message
+from shared.messages import Heartbeat
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -23,7 +25,8 @@ HEALTH_TIMEOUT_S = 2.0
 
 
 async def has_ready_group(state: GatewayState) -> bool:
-    """Redis answers and some worker group has its WorkerReady key and a live heartbeat."""
+    """Redis answers and some worker group has its WorkerReady key and a live heartbeat whose
+    last step succeeded (busy is not unhealthy: a full queue does not matter here)."""
     client, channels = state.client, state.channels
     try:
         async with asyncio.timeout(HEALTH_TIMEOUT_S):
@@ -33,12 +36,16 @@ async def has_ready_group(state: GatewayState) -> bool:
             async with client.pipeline(transaction=False) as pipe:
                 for raw in groups:
                     group = raw.decode() if isinstance(raw, bytes) else str(raw)
-                    pipe.exists(channels.worker(group), channels.heartbeat(group))
-                counts = await pipe.execute()
+                    pipe.exists(channels.worker(group))
+                    pipe.get(channels.heartbeat(group))
+                replies = await pipe.execute()
     except (RedisError, OSError, TimeoutError) as exc:
         log.debug("health check: Redis unreachable: %s", exc)
         return False
-    return any(count == 2 for count in counts)
+    for has_worker, beat in zip(replies[::2], replies[1::2], strict=True):
+        if has_worker and beat is not None and decode_message(beat, Heartbeat).is_last_step_ok:
+            return True
+    return False
 
 
 async def health(request: Request) -> Response:

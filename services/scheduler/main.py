@@ -6,8 +6,9 @@ import asyncio
 
 from services.scheduler.service import SchedulerService
 from shared.bus import connect, wait_for_redis
+from shared.ops_server import OpsServer
 from shared.settings import Settings
-from shared.telemetry import serve_metrics, setup_tracing
+from shared.telemetry import setup_tracing
 
 
 async def serve(settings: Settings) -> None:
@@ -16,7 +17,9 @@ async def serve(settings: Settings) -> None:
     redis = connect(settings.redis_url)
     await wait_for_redis(redis)
     service = SchedulerService(settings, redis)
-    serve_metrics(service.metrics.registry, settings.metrics_port)
+    if settings.metrics_port:
+        ready = lambda: service.scheduler is not None  # noqa: E731 (its worker group announced)
+        await OpsServer(service.metrics.registry, ready, "0.0.0.0", settings.metrics_port).start()
     await service.run()
 
 

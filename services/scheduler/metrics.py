@@ -31,7 +31,18 @@ class SchedulerMetrics:
             buckets=[0.0005 * 1.6**i for i in range(24)],
             registry=r,
         )
+        self.step_tokens = Histogram(
+            "textgen_scheduler_step_tokens",
+            "tokens scheduled per step",
+            buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192],
+            registry=r,
+        )
         self.pulled = Counter("textgen_scheduler_pulled_requests", "requests pulled", registry=r)
+        self.admitted = Counter(
+            "textgen_scheduler_admissions",
+            "requests given KV blocks (re-admissions too)",
+            registry=r,
+        )
         self.ended = Counter(
             "textgen_scheduler_ended_requests", "requests ended, by status", ["status"], registry=r
         )

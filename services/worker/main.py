@@ -8,8 +8,9 @@ import logging
 from services.worker.loader import load_model
 from services.worker.service import WorkerService
 from shared.bus import connect, wait_for_redis
+from shared.ops_server import OpsServer
 from shared.settings import Settings
-from shared.telemetry import serve_metrics, setup_tracing
+from shared.telemetry import new_registry, setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -17,6 +18,16 @@ log = logging.getLogger(__name__)
 async def serve(settings: Settings) -> None:
     if not settings.redis_url:
         raise SystemExit("textgen worker needs --redis-url")
+    holder: list[WorkerService] = []  # the service, once the model is loaded
+    ops = None
+    if settings.metrics_port:
+        ops = OpsServer(
+            new_registry(),
+            lambda: bool(holder) and holder[0].is_last_step_ok,
+            "0.0.0.0",
+            settings.metrics_port,
+        )
+        await ops.start()  # /live answers during a long model download
     redis = connect(settings.redis_url)
     await wait_for_redis(redis)
     loaded = await asyncio.to_thread(
@@ -28,7 +39,9 @@ async def serve(settings: Settings) -> None:
         settings.trust_remote_code,
     )
     service = WorkerService(settings, loaded, redis)
-    serve_metrics(service.metrics.registry, settings.metrics_port)
+    holder.append(service)
+    if ops is not None:
+        ops.registry = service.metrics.registry
     await service.run()
 
 

@@ -25,6 +25,17 @@ class WorkerMetrics:
             buckets=STEP_BUCKETS,
             registry=r,
         )
+        self.sample_duration = Histogram(
+            "textgen_worker_sample_duration_seconds",
+            "sampling per step",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.tokens_per_s = Gauge(
+            "textgen_worker_tokens_per_second",
+            "tokens computed per second in the last step",
+            registry=r,
+        )
         self.batch_tokens = Histogram(
             "textgen_worker_step_tokens",
             "tokens computed per step",

@@ -52,6 +52,7 @@ class WorkerService:
             loaded.model, cache, loaded.eos_token_ids, loaded.max_model_len, loaded.device
         )
         self.last_step_id = 0
+        self.is_last_step_ok = True  # a failed step makes the group unhealthy until one succeeds
 
     def ready_message(self) -> WorkerReady:
         cache = self.runner.kv_cache
@@ -115,11 +116,19 @@ class WorkerService:
         result = outcome.result
         self.metrics.step_duration.observe(result.step_s)
         self.metrics.forward_duration.observe(result.forward_s)
+        self.metrics.sample_duration.observe(result.sample_s)
+        if result.step_s > 0:
+            self.metrics.tokens_per_s.set(result.num_tokens / result.step_s)
         self.metrics.batch_tokens.observe(result.num_tokens)
         self.metrics.generated_tokens.inc(sum(len(o.token_ids) for o in result.outputs))
         self.metrics.requests.set(len(self.runner.requests))
         if result.error:
             self.metrics.step_failures.inc()
+        if self.is_last_step_ok != (not result.error):
+            log.warning(
+                "worker group %s is %s", self.group, "failing" if result.error else "healthy"
+            )
+        self.is_last_step_ok = not result.error
         log.debug(
             "step %d: %d tokens in %.2f ms", plan.step_id, result.num_tokens, result.step_s * 1e3
         )
@@ -144,6 +153,7 @@ class WorkerService:
             at=time.time(),
             last_step_id=self.last_step_id,
             num_requests=len(self.runner.requests),
+            is_last_step_ok=self.is_last_step_ok,
         )
         await self.redis.set(self.channels.heartbeat(self.group), encode(beat), ex=HEARTBEAT_TTL_S)
 

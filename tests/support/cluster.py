@@ -32,6 +32,7 @@ class Cluster:
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
     gateway_urls: list[str] = field(default_factory=list)
+    ops_urls: dict[str, str] = field(default_factory=dict)  # worker/scheduler name -> /metrics base
 
     @property
     def groups(self) -> list[str]:
@@ -60,8 +61,12 @@ class Cluster:
 
     def start(self, timeout: float = 180.0) -> Cluster:
         for group in self.groups:
-            self._spawn(f"worker-{group}", "worker", "--group", group)
-            self._spawn(f"scheduler-{group}", "scheduler", "--group", group)
+            for service in ("worker", "scheduler"):
+                port = free_port()
+                self.ops_urls[f"{service}-{group}"] = f"http://127.0.0.1:{port}"
+                self._spawn(
+                    f"{service}-{group}", service, "--group", group, "--metrics-port", str(port)
+                )
         for _ in range(self.num_gateways):
             self.gateway_urls.append(self._spawn_gateway())
         self.wait_ready(timeout)

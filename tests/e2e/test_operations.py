@@ -1,0 +1,103 @@
+"""Operations: every service's /metrics moves as the work says, and the probes answer."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.e2e.test_pipeline import prompt_text
+
+pytestmark = pytest.mark.integration
+
+
+def scrape(base: str) -> dict[str, float]:
+    """Sample name (with its labels, as exposed) -> value; names are taken verbatim, since
+    TGI's counters have no `_total` suffix and parsers that add one would hide that."""
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def total(cluster, service: str, name: str) -> float:
+    return sum(
+        scrape(url).get(name, 0.0)
+        for key, url in cluster.ops_urls.items()
+        if key.startswith(service)
+    )
+
+
+def test_probes_of_scheduler_and_worker(tiny_cluster):
+    for base in tiny_cluster.ops_urls.values():
+        assert httpx.get(f"{base}/live").status_code == 200
+        assert httpx.get(f"{base}/ready").status_code == 200
+        assert httpx.get(f"{base}/nope").status_code == 404
+
+
+def test_metrics_of_all_three_services_follow_a_run(tiny_cluster):
+    gateway = tiny_cluster.gateway_urls[0]
+    tiny_cluster.wait_idle()
+    before_gateway = scrape(gateway)
+    before_tokens = total(tiny_cluster, "worker", "textgen_worker_generated_tokens_total")
+    before_pulled = total(tiny_cluster, "scheduler", "textgen_scheduler_pulled_requests_total")
+    before_forwards = total(tiny_cluster, "worker", "textgen_worker_forward_duration_seconds_count")
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as client:
+            tasks = [
+                asyncio.ensure_future(
+                    client.post(
+                        f"{gateway}/generate",
+                        json={
+                            "inputs": prompt_text(i, 5 + i),
+                            "parameters": {"max_new_tokens": 300, "details": True},
+                        },
+                    )
+                )
+                for i in range(6)
+            ]
+            seen_blocks = seen_running = 0.0
+            while not all(t.done() for t in tasks):
+                await asyncio.sleep(0.05)
+                blocks = await asyncio.to_thread(
+                    total, tiny_cluster, "scheduler", "textgen_scheduler_kv_blocks_used"
+                )
+                running = await asyncio.to_thread(
+                    total, tiny_cluster, "scheduler", "textgen_scheduler_running"
+                )
+                seen_blocks, seen_running = max(seen_blocks, blocks), max(seen_running, running)
+            bodies = [t.result().json() for t in tasks]
+            return seen_blocks, seen_running, bodies
+
+    blocks_during, running_during, bodies = asyncio.run(run())
+    assert blocks_during > 0 and running_during > 0
+    stats = tiny_cluster.wait_idle()
+    generated = sum(b["details"]["generated_tokens"] for b in bodies)
+    after_gateway = scrape(gateway)
+    assert after_gateway["tgi_request_count"] - before_gateway["tgi_request_count"] == 6
+    assert after_gateway["tgi_request_success"] - before_gateway["tgi_request_success"] == 6
+    assert after_gateway["tgi_queue_size"] == 0
+    assert after_gateway["tgi_batch_current_size"] == 0
+    assert (
+        after_gateway["tgi_request_generated_tokens_sum"]
+        - before_gateway["tgi_request_generated_tokens_sum"]
+    ) == generated
+    worker_tokens = total(tiny_cluster, "worker", "textgen_worker_generated_tokens_total")
+    assert worker_tokens - before_tokens == generated
+    assert total(tiny_cluster, "scheduler", "textgen_scheduler_pulled_requests_total") == (
+        before_pulled + 6
+    )
+    assert total(tiny_cluster, "worker", "textgen_worker_forward_duration_seconds_count") > (
+        before_forwards
+    )
+    assert total(tiny_cluster, "scheduler", "textgen_scheduler_kv_blocks_used") == 0
+    assert total(tiny_cluster, "scheduler", "textgen_scheduler_running") == 0
+    assert total(tiny_cluster, "scheduler", "textgen_scheduler_kv_blocks") == sum(
+        s.num_blocks for s in stats.values()
+    )
+    assert len(bodies) == 6
