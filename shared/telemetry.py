@@ -50,23 +50,57 @@ def setup_logging(service: str, level: str = "INFO", json_output: bool = False) 
     root.setLevel(level.upper())
 
 
+EXPORT_DELAY_MS = 500  # spans leave the process in batches at most this late
+_tracing = {"enabled": False}  # set once at start-up by setup_tracing
+
+
 def setup_tracing(service: str, otlp_endpoint: str | None) -> None:
-    """Install an SDK tracer provider exporting to OTLP when an endpoint is configured."""
+    """Export spans with OTLP over HTTP to `otlp_endpoint` (http://host:4318 or a full
+    .../v1/traces URL). Without an endpoint nothing is installed and spans cost nothing."""
     if not otlp_endpoint:
         return
-    try:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    except ImportError:
-        logging.getLogger(__name__).warning(
-            "otlp_endpoint set but opentelemetry-exporter-otlp is not installed; tracing off"
-        )
-        return
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    endpoint = otlp_endpoint.rstrip("/")
+    if not endpoint.endswith("/v1/traces"):
+        endpoint += "/v1/traces"
     provider = TracerProvider(resource=Resource.create({"service.name": f"textgen-{service}"}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint)))
+    provider.add_span_processor(
+        BatchSpanProcessor(
+            OTLPSpanExporter(endpoint=endpoint), schedule_delay_millis=EXPORT_DELAY_MS
+        )
+    )
     trace.set_tracer_provider(provider)
+    _tracing["enabled"] = True
+    logging.getLogger(__name__).info("tracing: OTLP/HTTP to %s", endpoint)
+
+
+def is_tracing() -> bool:
+    """True when spans are exported (build optional spans only then)."""
+    return _tracing["enabled"]
+
+
+def record_span(
+    name: str,
+    traceparent: str,
+    start_s: float,
+    end_s: float,
+    attributes: dict[str, str | int | float | bool] | None = None,
+) -> None:
+    """A finished span, after the fact, parented on a message's trace context (no-op when
+    tracing is off). Times are unix seconds."""
+    if not _tracing["enabled"] or not traceparent:
+        return
+    span = trace.get_tracer("textgen").start_span(
+        name,
+        context=extract_context(traceparent),
+        start_time=int(start_s * 1e9),
+        attributes=attributes or {},
+    )
+    span.end(end_time=int(max(end_s, start_s) * 1e9))
 
 
 def tracer(name: str) -> trace.Tracer:

@@ -36,6 +36,7 @@ class SchedRequest:
     is_on_worker: bool = False  # the worker holds its state (sent as NewRequest)
     scheduled_at: float = 0.0  # unix s of the first scheduling
     error: str = ""  # why the scheduler failed it (the service tells the gateway)
+    pulled_at: float = 0.0  # unix s the scheduler took it from the stream
 
     @classmethod
     def from_message(cls, message: GenerateRequest, entry_id: bytes, arrival: int) -> SchedRequest:

@@ -80,6 +80,7 @@ class Scheduler:
         if message.request_id in self.requests:
             return  # redelivered while still held
         request = SchedRequest.from_message(message, entry_id, self._num_arrivals)
+        request.pulled_at = self.clock()
         self._num_arrivals += 1
         self.requests[request.request_id] = request
         self._enqueue(request)

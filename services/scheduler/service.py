@@ -32,7 +32,7 @@ from shared.messages import (
     WorkerReady,
 )
 from shared.settings import Settings
-from shared.telemetry import tracer
+from shared.telemetry import record_span, tracer
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,11 @@ class SchedulerService:
             approximate=True,
         )
         self.metrics.batch_size.observe(len(plan.new_requests) + len(plan.running))
+        self.metrics.admitted.inc(len(plan.new_requests))
+        self.metrics.step_tokens.observe(
+            sum(r.num_scheduled_tokens for r in plan.new_requests)
+            + sum(r.num_scheduled_tokens for r in plan.running)
+        )
         results = self.channels.results(self.group)
         waited = 0.0
         while True:
@@ -173,11 +178,31 @@ class SchedulerService:
             return
         await self._ack([r.entry_id for r in ended])
         failed = [r for r in ended if r.error]
+        now = time.time()
         for request in ended:
             self.metrics.ended.labels(request.status.name.lower()).inc()
+            self._trace(request, now)
             log.debug("request %s ended: %s", request.request_id, request.status.name)
         if failed:
             await self._publish_errors(failed)
+
+    @staticmethod
+    def _trace(request: SchedRequest, now: float) -> None:
+        """Spans of one ended request: its wait in the queue, and its life in the scheduler."""
+        traceparent = request.message.traceparent
+        admitted_at = request.scheduled_at or now
+        record_span("scheduler.queue_wait", traceparent, request.message.created_at, admitted_at)
+        record_span(
+            "scheduler.request",
+            traceparent,
+            request.pulled_at,
+            now,
+            {
+                "request_id": request.request_id,
+                "status": request.status.name.lower(),
+                "num_generated_tokens": request.num_generated_ids,
+            },
+        )
 
     async def _publish_errors(self, failed: list[SchedRequest]) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:

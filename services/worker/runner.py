@@ -23,6 +23,7 @@ from services.worker.paged_attention import (
 from services.worker.sampling import Sampled, needs_own_row, sample_greedy_batch, sample_one
 from services.worker.state import RequestState, stop_reason
 from shared.messages import RequestOutput, StepPlan, StepResult, TokenEvent
+from shared.telemetry import record_span
 
 log = logging.getLogger(__name__)
 
@@ -215,9 +216,12 @@ class ModelRunner:
         sampling_iter = iter(samples)
         events: dict[str, list[TokenEvent]] = defaultdict(list)
         outputs: list[RequestOutput] = []
+        now = time.time()
         for state in scheduled:
             is_sampling = state.samples_this_step
             state.num_computed_tokens += state.num_scheduled_tokens
+            state.num_steps += 1
+            state.first_step_at = state.first_step_at or now
             if not is_sampling:
                 outputs.append(RequestOutput(request_id=state.request_id))
                 continue
@@ -245,6 +249,18 @@ class ModelRunner:
             events[state.reply_to].append(event)
             if reason is not None:
                 del self.requests[state.request_id]
+                record_span(
+                    "worker.generate",
+                    state.traceparent,
+                    state.first_step_at,
+                    time.time(),
+                    {
+                        "request_id": state.request_id,
+                        "finish_reason": reason.value,
+                        "num_steps": state.num_steps,
+                        "num_generated_tokens": state.num_generated,
+                    },
+                )
         return StepOutcome(StepResult(step_id=step_id, outputs=outputs), dict(events))
 
     def _fail(self, step_id: int, scheduled: list[RequestState], error: str) -> StepOutcome:

@@ -22,7 +22,6 @@ from shared.channels import Channels
 from shared.codec import encode
 from shared.messages import Heartbeat, ReplyBatch, StepPlan, WorkerReady
 from shared.settings import Settings
-from shared.telemetry import extract_context, tracer
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +38,6 @@ class WorkerService:
         self.channels = Channels(settings.namespace)
         self.group = settings.group
         self.metrics = WorkerMetrics()
-        self.tracer = tracer("textgen.worker")
         budget = settings.kv_cache_memory or default_budget(loaded.device)
         # never more than a full batch of full contexts could use
         max_tokens = (
@@ -108,11 +106,7 @@ class WorkerService:
                 await self.redis.xtrim(steps, minid=last_id, approximate=True)
 
     def _execute(self, plan: StepPlan) -> StepOutcome:
-        parent = extract_context(plan.new_requests[0].traceparent) if plan.new_requests else None
-        with self.tracer.start_as_current_span("worker.step", context=parent) as span:
-            outcome = self.runner.execute(plan)
-            span.set_attribute("textgen.step_id", plan.step_id)
-            span.set_attribute("textgen.num_tokens", outcome.result.num_tokens)
+        outcome = self.runner.execute(plan)  # per-request spans: see ModelRunner
         result = outcome.result
         self.metrics.step_duration.observe(result.step_s)
         self.metrics.forward_duration.observe(result.forward_s)

@@ -25,6 +25,8 @@ class RequestState:
     finish_reason: FinishReason | None = field(default=None)
     prompt_logprobs: list[float] = field(default_factory=list)  # filled chunk by chunk if asked
     is_resumed: bool = False  # arrived with generated tokens: its first event went out before
+    first_step_at: float = 0.0  # unix s of its first step on this worker (for its span)
+    num_steps: int = 0  # steps it took part in on this worker
 
     @classmethod
     def from_new(cls, new: NewRequest) -> RequestState:
