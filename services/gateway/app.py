@@ -15,7 +15,8 @@ from importlib import metadata
 
 from fastapi import FastAPI
 
-from services.gateway import info_routes, tgi_routes
+from services.gateway import info_routes, openai_routes, tgi_routes
+from services.gateway.chat_template import ChatTemplate
 from services.gateway.generation import Generator
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi_routes import describe_routes
@@ -57,6 +58,7 @@ def build_state(settings: Settings) -> GatewayState:
         gateway_id=settings.gateway_id or secrets.token_hex(8),
         metrics=GatewayMetrics(max_input, max_total),
         admission=Admission(settings.max_concurrent_requests),
+        chat_template=ChatTemplate.from_folder(folder, tokenizer.config),
         compute_type=os.environ.get("COMPUTE_TYPE", "gpu+optimized"),
         version=package_version(),
     )
@@ -102,5 +104,6 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.gateway = state
     app.include_router(tgi_routes.router)
     app.include_router(info_routes.router)
+    app.include_router(openai_routes.router)
     describe_routes(app)
     return app

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
+from services.gateway.chat_template import ChatTemplate
 from services.gateway.generation import Generator
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.replies import ReplyRouter
@@ -41,6 +42,7 @@ class GatewayState:
     gateway_id: str
     metrics: GatewayMetrics
     admission: Admission
+    chat_template: ChatTemplate | None = None  # None: the model has none (chat answers 422)
     compute_type: str = "gpu+optimized"
     version: str = "0.1.0"
     # set by the lifespan once the event loop runs
