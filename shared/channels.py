@@ -50,3 +50,8 @@ class Channels:
     def scheduler_stats(self, group: str) -> str:
         """Key holding the SchedulerStats of the group's scheduler."""
         return f"{self.namespace}:group:{group}:scheduler"
+
+    def drain(self, group: str) -> str:
+        """Key whose presence tells the group's scheduler to stop pulling new requests
+        (`textgen queue drain GROUP`); requests it already holds still finish."""
+        return f"{self.namespace}:group:{group}:drain"

@@ -1,4 +1,4 @@
-"""The one `textgen` command: `launch`, `gateway`, `scheduler`, `worker`.
+"""The one `textgen` command: `launch`, `gateway`, `scheduler`, `worker`; tools `bench`, `queue`.
 
 Flags are generated from shared.settings.Settings (TGI's names); environment variables with
 the same upper-case names apply when a flag is absent."""
@@ -19,6 +19,7 @@ COMMANDS = {
 }
 TOOLS = {
     "bench": "tokens/s of the server against transformers' generate on the same prompts",
+    "queue": "the request stream and the worker groups; drain/undrain a group",
 }
 
 
@@ -30,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     from services.bench.main import add_bench_flags
 
     add_bench_flags(commands.add_parser("bench", help=TOOLS["bench"], description=TOOLS["bench"]))
+    from services.launcher.queue_cli import add_queue_flags
+
+    add_queue_flags(commands.add_parser("queue", help=TOOLS["queue"], description=TOOLS["queue"]))
     return parser
 
 
@@ -41,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
 
         setup_logging("bench", "WARNING")
         return run_bench(args)
+    if args.command == "queue":
+        from services.launcher.queue_cli import run as run_queue
+
+        return run_queue(args)
     try:
         settings = settings_from_args(args)
     except ValueError as exc:

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 STEPS_MAXLEN = 1000
 STATS_INTERVAL_S = 0.25
+DRAIN_CHECK_INTERVAL_S = 0.5  # how often the drain key ({ns}:group:{g}:drain) is read
 RESULT_WARN_S = 30.0
 
 
@@ -55,6 +56,7 @@ class SchedulerService:
         self.draining = False
         self._results_last_id = b"0-0"
         self._stats_at = 0.0
+        self._drain_checked_at = 0.0  # time.monotonic() of the last read of the drain key
         self._num_preempted_seen = 0
 
     async def wait_for_worker(self) -> WorkerReady:
@@ -95,6 +97,7 @@ class SchedulerService:
         scheduler = self.scheduler
         assert scheduler is not None
         while True:
+            await self._check_drain()
             await self._pull(block=scheduler.num_unfinished == 0)
             self._apply_aborts()
             scheduler.expire()
@@ -105,6 +108,25 @@ class SchedulerService:
                 scheduler.update(result)
                 await self._finish_ended()
             await self._publish_stats()
+
+    async def _check_drain(self) -> None:
+        """Follow the drain key (`textgen queue drain GROUP`), read at most every
+        DRAIN_CHECK_INTERVAL_S: while it exists, pull nothing new but finish what is held."""
+        now = time.monotonic()
+        if now - self._drain_checked_at < DRAIN_CHECK_INTERVAL_S:
+            return
+        self._drain_checked_at = now
+        draining = bool(await self.redis.exists(self.channels.drain(self.group)))
+        if draining != self.draining:
+            self.draining = draining
+            self._stats_at = 0.0  # publish the new state on this iteration
+            log.info(
+                "group %s %s",
+                self.group,
+                "draining: pulling no new requests"
+                if draining
+                else "undrained: pulling requests again",
+            )
 
     async def _pull(self, block: bool) -> None:
         """XREADGROUP as many requests as the group has room for."""
