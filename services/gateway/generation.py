@@ -195,9 +195,11 @@ class Generator:
             await self._send(message)
             enqueued_at = time.time()
             async for item in self._consume(queue, message, prepared, enqueued_at, keepalive_s):
-                if isinstance(item, Finished):
-                    outcome = "stop_sequence" if self._needs_abort(item) else "finished"
-                    self._log_finished(request_id, item)
+                # the last Token carries `finished`: a consumer may stop right after it
+                finished = item if isinstance(item, Finished) else getattr(item, "finished", None)
+                if finished is not None and outcome == "dropped":
+                    outcome = "stop_sequence" if self._needs_abort(finished) else "finished"
+                    self._log_finished(request_id, finished)
                 yield item
         except GatewayError as exc:
             outcome = "deadline" if isinstance(exc, DeadlineExceeded) else "failed"

@@ -236,6 +236,9 @@ def test_21_22_overload_and_disconnect_release(tiny_cluster):
         return float(match.group(1)) if match else 0.0
 
     before = dropped()
+    complete = post(url, "/generate_stream", {"inputs": "Hi", "parameters": {"max_new_tokens": 3}})
+    assert len(sse_events(complete.text)) == 3
+    assert dropped() == before, "a stream read to its end is not a dropped request"
     with httpx.Client(timeout=60) as client:
         with client.stream("POST", f"{url}/generate_stream", json=long) as response:
             for line in response.iter_lines():
