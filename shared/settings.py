@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     max_client_batch_size: int = 4
     payload_limit: int = Field(2_000_000, description="largest accepted request body, bytes")
     request_timeout: float = Field(600.0, description="seconds before a request is abandoned")
+    shutdown_grace: float = Field(
+        30.0, description="seconds SIGTERM lets open streams and running requests finish"
+    )
     max_queue_length: int = Field(10_000, description="requests waiting in the stream; 429 beyond")
 
     # --- gateway ----------------------------------------------------------------------------

@@ -19,6 +19,7 @@ def run(settings: Settings) -> None:
         host=settings.hostname,
         port=settings.port,
         log_level=settings.log_level.lower(),
-        timeout_graceful_shutdown=5,
+        # SIGTERM: stop accepting, let open streams finish for up to the grace period
+        timeout_graceful_shutdown=settings.shutdown_grace,
         log_config=None,
     )

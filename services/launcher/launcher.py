@@ -124,7 +124,7 @@ class Launcher:
         for child in self.children.values():
             if child.poll() is None:
                 child.terminate()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + self.settings.shutdown_grace + 5
         for child in self.children.values():
             try:
                 child.wait(timeout=max(0.1, deadline - time.monotonic()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 
 from services.scheduler.service import SchedulerService
 from shared.bus import connect, wait_for_redis
@@ -20,6 +21,9 @@ async def serve(settings: Settings) -> None:
     if settings.metrics_port:
         ready = lambda: service.scheduler is not None  # noqa: E731 (its worker group announced)
         await OpsServer(service.metrics.registry, ready, "0.0.0.0", settings.metrics_port).start()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, service.request_stop)
     await service.run()
 
 

@@ -47,3 +47,6 @@ class SchedulerMetrics:
             "textgen_scheduler_ended_requests", "requests ended, by status", ["status"], registry=r
         )
         self.preempted = Counter("textgen_scheduler_preemptions", "preemptions", registry=r)
+        self.handed_back = Counter(
+            "textgen_scheduler_handed_back", "unfinished requests requeued at shutdown", registry=r
+        )

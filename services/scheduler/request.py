@@ -17,6 +17,7 @@ class RequestStatus(enum.IntEnum):
     ABORTED = 3  # the gateway gave up (client gone, stop sequence)
     EXPIRED = 4  # its deadline passed before it finished
     FAILED = 5  # the worker failed the step that held it
+    HANDED_BACK = 6  # requeued with its tokens for another group (shutdown)
 
     @property
     def is_finished(self) -> bool:

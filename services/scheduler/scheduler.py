@@ -119,6 +119,12 @@ class Scheduler:
             if output.finish_reason is not None:
                 self._end(request, RequestStatus.FINISHED, is_on_worker_done=True)
 
+    def withdraw(self, only_waiting: bool) -> None:
+        """End waiting (or all) requests as HANDED_BACK: the service requeues them."""
+        for request in list(self.requests.values()):
+            if not only_waiting or request.status == RequestStatus.WAITING:
+                self._end(request, RequestStatus.HANDED_BACK)
+
     def take_ended(self) -> list[SchedRequest]:
         """Requests that ended since the last call (to acknowledge on the stream)."""
         ended, self._ended = self._ended, []

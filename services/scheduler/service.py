@@ -14,10 +14,11 @@ import logging
 import time
 import uuid
 
+import msgspec
 import redis.asyncio as aioredis
 
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.request import SchedRequest
+from services.scheduler.request import RequestStatus, SchedRequest
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from shared.bus import ensure_group, entry_message, get_message, read_stream, stream_fields
 from shared.channels import SCHEDULER_GROUP, Channels
@@ -54,6 +55,7 @@ class SchedulerService:
         self.scheduler: Scheduler | None = None
         self.recent_aborts: dict[str, float] = {}  # request_id -> unix s heard
         self.draining = False
+        self.stop_at: float | None = None  # unix s; set by request_stop()
         self._results_last_id = b"0-0"
         self._stats_at = 0.0
         self._drain_checked_at = 0.0  # time.monotonic() of the last read of the drain key
@@ -97,6 +99,13 @@ class SchedulerService:
         scheduler = self.scheduler
         assert scheduler is not None
         while True:
+            if self.stop_at is not None:
+                is_over = scheduler.num_unfinished == 0 or time.time() >= self.stop_at
+                scheduler.withdraw(only_waiting=not is_over)
+                await self._finish_ended()
+                if is_over:
+                    log.info("stopped")
+                    return
             await self._check_drain()
             await self._pull(block=scheduler.num_unfinished == 0)
             self._apply_aborts()
@@ -108,6 +117,29 @@ class SchedulerService:
                 scheduler.update(result)
                 await self._finish_ended()
             await self._publish_stats()
+
+    def request_stop(self) -> None:
+        """SIGTERM: pull nothing more, let running requests finish for the grace period, then
+        hand the rest back to the stream (see _hand_back)."""
+        if self.stop_at is None:
+            self.stop_at = time.time() + self.settings.shutdown_grace
+            log.info(
+                "stopping: finishing running requests for up to %.0f s",
+                self.settings.shutdown_grace,
+            )
+
+    async def _hand_back(self, requests: list[SchedRequest]) -> None:
+        """Requeue requests with the tokens they already have, so another group continues
+        each stream where it stopped (the gateway skips the indexes it delivered)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for request in requests:
+                resumed = msgspec.structs.replace(
+                    request.message, generated_ids=request.token_ids[request.num_prompt_tokens :]
+                )
+                pipe.xadd(self.channels.requests, stream_fields(resumed))
+            await pipe.execute()
+        self.metrics.handed_back.inc(len(requests))
+        log.info("handed back %d requests", len(requests))
 
     async def _check_drain(self) -> None:
         """Follow the drain key (`textgen queue drain GROUP`), read at most every
@@ -133,7 +165,7 @@ class SchedulerService:
         scheduler = self.scheduler
         assert scheduler is not None
         room = scheduler.config.max_batch_size - scheduler.num_unfinished
-        if room <= 0 or self.draining:
+        if room <= 0 or self.draining or self.stop_at is not None:
             if block:
                 await asyncio.sleep(0.1)
             return
@@ -187,6 +219,9 @@ class SchedulerService:
                     self.metrics.step_round_trip.observe(time.perf_counter() - started)
                     return result
             if not entries:
+                if self.stop_at is not None and time.time() >= self.stop_at:
+                    log.warning("stopping without the result of step %d", plan.step_id)
+                    return StepResult(step_id=plan.step_id)  # its requests are handed back
                 waited += 1.0
                 if waited % RESULT_WARN_S == 0:
                     log.warning("no result for step %d after %.0f s", plan.step_id, waited)
@@ -198,6 +233,9 @@ class SchedulerService:
         ended = scheduler.take_ended()
         if not ended:
             return
+        handed_back = [r for r in ended if r.status == RequestStatus.HANDED_BACK]
+        if handed_back:
+            await self._hand_back(handed_back)  # requeue first: nothing is lost in between
         await self._ack([r.entry_id for r in ended])
         failed = [r for r in ended if r.error]
         now = time.time()

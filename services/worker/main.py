@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 
 from services.worker.loader import load_model
 from services.worker.service import WorkerService
@@ -40,6 +41,9 @@ async def serve(settings: Settings) -> None:
     )
     service = WorkerService(settings, loaded, redis)
     holder.append(service)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, service.request_stop)
     if ops is not None:
         ops.registry = service.metrics.registry
     await service.run()

@@ -51,6 +51,7 @@ class WorkerService:
         )
         self.last_step_id = 0
         self.is_last_step_ok = True  # a failed step makes the group unhealthy until one succeeds
+        self.stop_at: float | None = None  # unix s; set by request_stop()
 
     def ready_message(self) -> WorkerReady:
         cache = self.runner.kv_cache
@@ -92,11 +93,24 @@ class WorkerService:
         finally:
             heartbeat.cancel()
 
+    def request_stop(self) -> None:
+        """SIGTERM: keep executing the scheduler's steps until no request is held (the
+        scheduler finishes or hands back its requests), for at most the grace period."""
+        if self.stop_at is None:
+            self.stop_at = time.time() + self.settings.shutdown_grace
+            log.info("stopping once idle (at most %.0f s)", self.settings.shutdown_grace)
+
     async def _step_loop(self) -> None:
         steps = self.channels.steps(self.group)
         last_id = b"0-0"
         while True:
-            entries = await read_stream(self.redis, steps, last_id, StepPlan, block_ms=1000)
+            block_ms = 1000 if self.stop_at is None else 250
+            entries = await read_stream(self.redis, steps, last_id, StepPlan, block_ms=block_ms)
+            if self.stop_at is not None and (
+                (not entries and not self.runner.requests) or time.time() >= self.stop_at
+            ):
+                log.info("stopped with %d requests held", len(self.runner.requests))
+                return
             for entry_id, plan in entries:
                 last_id = entry_id
                 outcome = await asyncio.to_thread(self._execute, plan)
