@@ -112,6 +112,7 @@ def watch(view: QueueView, interval: float, as_json: bool) -> None:
 def set_drain(view: QueueView, group: str, draining: bool, wait: bool) -> int:
     """Write (or delete) the drain key, then wait for the scheduler's stats to agree."""
     key = view.channels.drain(group)
+    written_at = time.time()
     known = {g.decode() for g in view.client.smembers(view.channels.groups)}
     if draining:
         view.client.set(key, b"1")
@@ -126,7 +127,9 @@ def set_drain(view: QueueView, group: str, draining: bool, wait: bool) -> int:
     deadline = time.monotonic() + CONFIRM_TIMEOUT_S
     while time.monotonic() < deadline:
         current = next((g for g in view.snapshot().groups if g.group == group), None)
-        if current is not None and current.draining == draining and current.stats_age_s is not None:
+        # stats published after the write, so a dead scheduler's old stats do not count
+        is_fresh = current is not None and (current.stats_at or 0.0) >= written_at
+        if current is not None and is_fresh and current.draining == draining:
             held = current.num_running or 0
             held += current.num_waiting or 0
             print(f"{group}: {word} (confirmed by its scheduler; {held} requests held)")

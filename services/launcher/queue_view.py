@@ -71,6 +71,7 @@ class GroupView:
     max_batch_size: int | None = None
     heartbeat_age_s: float | None = None  # None: no heartbeat (dead, or never started)
     is_last_step_ok: bool | None = None  # from the heartbeat
+    stats_at: float | None = None  # unix s (scheduler's clock) of its last published stats
     stats_age_s: float | None = None  # seconds since the scheduler published its stats
     num_running: int | None = None
     num_waiting: int | None = None
@@ -92,7 +93,7 @@ class GroupView:
     def state(self) -> str:
         """One word for the table."""
         if not self.is_alive:
-            return "dead"
+            return "dead, drained" if self.drain_requested else "dead"
         if self.draining:
             return "draining"
         if self.drain_requested:
@@ -326,6 +327,7 @@ class QueueView:
 
 
 def _apply_stats(view: GroupView, stats: SchedulerStats, now: float) -> None:
+    view.stats_at = stats.at
     view.stats_age_s = max(0.0, now - stats.at)
     view.num_running, view.num_waiting = stats.num_running, stats.num_waiting
     view.num_free_blocks = stats.num_free_blocks
