@@ -43,9 +43,7 @@ def sequence_details(tokens: list[Token], finished: Finished, top_n_tokens: int)
         "finish_reason": finished.finish_reason.value,
         "generated_tokens": finished.num_generated_tokens,
         "seed": finished.seed,
-        "prefill": [
-            {"id": t.id, "text": t.text, "logprob": t.logprob} for t in finished.prefill
-        ],
+        "prefill": [{"id": t.id, "text": t.text, "logprob": t.logprob} for t in finished.prefill],
         "tokens": [token_json(token) for token in tokens],
     }
     if top_n_tokens > 0:
