@@ -15,7 +15,7 @@ from importlib import metadata
 
 from fastapi import FastAPI
 
-from services.gateway import info_routes, openai_routes, tgi_routes
+from services.gateway import compat_routes, info_routes, openai_routes, tgi_routes
 from services.gateway.chat_template import ChatTemplate
 from services.gateway.generation import Generator
 from services.gateway.metrics import GatewayMetrics
@@ -105,5 +105,6 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(tgi_routes.router)
     app.include_router(info_routes.router)
     app.include_router(openai_routes.router)
+    app.include_router(compat_routes.router)
     describe_routes(app)
     return app

@@ -32,7 +32,12 @@ def is_json_content_type(value: str | None) -> bool:
 
 
 async def read_body(request: Request, payload_limit: int) -> bytes:
-    """The raw body, refusing (413) as soon as it grows past `payload_limit` bytes."""
+    """The raw body, refusing (413) as soon as it grows past `payload_limit` bytes. Kept on
+    the request (request.state.raw_body) so a route that sniffs the body can hand the request
+    to another route, which reads it again."""
+    cached = getattr(request.state, "raw_body", None)
+    if cached is not None:
+        return cached
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > payload_limit:
         raise BodyError(413, TOO_LARGE_TEXT)
@@ -43,7 +48,8 @@ async def read_body(request: Request, payload_limit: int) -> bytes:
         if size > payload_limit:
             raise BodyError(413, TOO_LARGE_TEXT)
         chunks.append(chunk)
-    return b"".join(chunks)
+    request.state.raw_body = b"".join(chunks)
+    return request.state.raw_body
 
 
 def describe_errors(exc: pydantic.ValidationError) -> str:

@@ -67,10 +67,7 @@ def envelope(state: GatewayState, model: str | None, arrived_at: float) -> Envel
 
 def encode_chat_prompt(state: GatewayState, prompt: str) -> list[int]:
     """Prompt ids WITHOUT added special tokens: the chat template already wrote BOS."""
-    try:
-        return state.tokenizer.tokenizer.encode(prompt, add_special_tokens=False).ids
-    except Exception as exc:  # the Rust side raises plain Exceptions
-        raise TokenizerError(str(exc)) from exc
+    return state.tokenizer.encode(prompt, add_special_tokens=False)
 
 
 async def prepare_chat(
@@ -173,6 +170,13 @@ async def chat_completions(request: Request) -> Response:
     body = await decode(state, request, ChatBody)
     if isinstance(body, Response):
         return body
+    return await answer_chat(state, request, body, arrived_at)
+
+
+async def answer_chat(
+    state: GatewayState, request: Request, body: ChatBody, arrived_at: float
+) -> Response:
+    """A decoded chat request's answer: JSON, or SSE when `stream` (also used by /vertex)."""
     state.metrics.request_started()  # TGI counts a chat request twice (quirk)
     try:
         check_chat_request(body)

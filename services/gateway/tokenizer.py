@@ -53,20 +53,25 @@ class TextTokenizer:
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         return cls(Tokenizer.from_file(str(file)), config)
 
-    def encode(self, text: str, truncate: int | None = None) -> list[int]:
-        """Prompt ids with special tokens (BOS) added; `truncate` keeps the last N."""
+    def encode(
+        self, text: str, truncate: int | None = None, add_special_tokens: bool = True
+    ) -> list[int]:
+        """Prompt ids, special tokens (BOS) added unless the text has them already (chat
+        templates); `truncate` keeps the last N."""
         try:
-            ids = self.tokenizer.encode(text, add_special_tokens=True).ids
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         except Exception as exc:  # the Rust side raises plain Exceptions
             raise TokenizerError(str(exc)) from exc
         if truncate is not None and truncate < len(ids):
             ids = ids[-truncate:]
         return ids
 
-    def spans(self, text: str, truncate: int | None = None) -> list[TokenSpan]:
+    def spans(
+        self, text: str, truncate: int | None = None, add_special_tokens: bool = True
+    ) -> list[TokenSpan]:
         """Tokens of `text` with byte offsets (TGI /tokenize)."""
         try:
-            encoding = self.tokenizer.encode(text, add_special_tokens=True)
+            encoding = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except Exception as exc:
             raise TokenizerError(str(exc)) from exc
         byte_at = [0]
