@@ -3,7 +3,8 @@
 #   docker build --target gateway -t textgen-gateway .   # gateway AND scheduler: no torch
 #   docker build --target worker  -t textgen-worker  .   # worker: CPU torch
 #   docker build --target worker  -t textgen-worker:gpu \
-#       --build-arg TORCH_INDEX_URL=https://pypi.org/simple .   # worker: CUDA torch
+#       --build-arg TORCH_INDEX_URL=https://pypi.org/simple \
+#       --build-arg GPU_PACKAGES=flash-attn .                   # worker: CUDA torch + flash-attn
 #
 # PyPI's Linux torch wheels are the CUDA builds (they pull the nvidia-* runtime wheels), so the
 # GPU image is the same recipe with another index; the host only needs the NVIDIA driver and
@@ -57,6 +58,13 @@ COPY shared ./shared
 COPY services ./services
 # torch is already satisfied (2.x.y+cpu matches ==2.x.y), so this adds only the project.
 RUN pip install ".[worker]" && python -c "import torch, transformers"
+# Extra worker packages built against that torch: the GPU image adds flash-attn
+# (`--build-arg GPU_PACKAGES=flash-attn`). Compiling it needs nvcc: build that image from a
+# CUDA "devel" base with Python 3.11 (`--build-arg PYTHON_IMAGE=...`); no GPU is needed to build.
+ARG GPU_PACKAGES=""
+RUN if [ -n "${GPU_PACKAGES}" ]; then \
+      MAX_JOBS=4 pip install --no-build-isolation ${GPU_PACKAGES}; \
+    fi
 
 # ---- gateway (also the scheduler image) ------------------------------------------------------
 FROM base AS gateway
