@@ -20,6 +20,8 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 FIELD = b"m"  # stream entries hold one field whose value is the msgpack message
+# what a Redis outage raises: loops catch these, back off and retry
+REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, OSError, TimeoutError)
 
 
 def connect(url: str) -> aioredis.Redis:

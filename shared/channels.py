@@ -23,6 +23,11 @@ class Channels:
         return f"{self.namespace}:aborts"
 
     @property
+    def dead_letters(self) -> str:
+        """Stream of bus messages nobody could read (malformed, newer schema), for operators."""
+        return f"{self.namespace}:dead-letters"
+
+    @property
     def groups(self) -> str:
         """Set of worker group ids that ever announced themselves."""
         return f"{self.namespace}:groups"

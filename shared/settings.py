@@ -43,6 +43,10 @@ class Settings(BaseSettings):
     max_client_batch_size: int = 4
     payload_limit: int = Field(2_000_000, description="largest accepted request body, bytes")
     request_timeout: float = Field(600.0, description="seconds before a request is abandoned")
+    claim_timeout: float = Field(
+        10.0, description="seconds before another scheduler takes over a silent one's requests"
+    )
+    max_restarts: int = Field(5, description="launch: restarts of a dead child before giving up")
     shutdown_grace: float = Field(
         30.0, description="seconds SIGTERM lets open streams and running requests finish"
     )

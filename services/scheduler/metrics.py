@@ -47,6 +47,9 @@ class SchedulerMetrics:
             "textgen_scheduler_ended_requests", "requests ended, by status", ["status"], registry=r
         )
         self.preempted = Counter("textgen_scheduler_preemptions", "preemptions", registry=r)
+        self.claimed = Counter(
+            "textgen_scheduler_claimed", "requests taken over from a silent scheduler", registry=r
+        )
         self.handed_back = Counter(
             "textgen_scheduler_handed_back", "unfinished requests requeued at shutdown", registry=r
         )

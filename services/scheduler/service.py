@@ -16,16 +16,23 @@ import uuid
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.recovery import (
+    Unreadable,
+    claim_abandoned,
+    dead_letter,
+    keep_fresh,
+    parse_request,
+)
 from services.scheduler.request import RequestStatus, SchedRequest
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
-from shared.bus import ensure_group, entry_message, get_message, read_stream, stream_fields
+from shared.bus import REDIS_ERRORS, ensure_group, get_message, read_stream, stream_fields
 from shared.channels import SCHEDULER_GROUP, Channels
 from shared.codec import decode, encode
 from shared.messages import (
     AbortRequest,
-    GenerateRequest,
     ReplyBatch,
     StepPlan,
     StepResult,
@@ -37,10 +44,22 @@ from shared.telemetry import record_span, tracer
 
 log = logging.getLogger(__name__)
 
+
 STEPS_MAXLEN = 1000
 STATS_INTERVAL_S = 0.25
 DRAIN_CHECK_INTERVAL_S = 0.5  # how often the drain key ({ns}:group:{g}:drain) is read
 RESULT_WARN_S = 30.0
+WORKER_CHECK_INTERVAL_S = 1.0  # how often an idle loop checks its worker's heartbeat
+CLAIM_INTERVAL_S = 1.0  # how often abandoned requests are looked for
+KEEP_FRESH_INTERVAL_S = 1.0  # how often held requests' idle times are reset
+
+
+class WorkerLost(Exception):
+    """The group's worker stopped beating or was replaced; its steps will never answer."""
+
+    def __init__(self, reason: str, started_at: float) -> None:
+        super().__init__(reason)
+        self.started_at = started_at  # WorkerReady.started_at of the lost worker
 
 
 class SchedulerService:
@@ -57,20 +76,64 @@ class SchedulerService:
         self.draining = False
         self.stop_at: float | None = None  # unix s; set by request_stop()
         self._results_last_id = b"0-0"
+        self._worker: WorkerReady = WorkerReady(
+            group="", model_id="", num_blocks=0, block_size=0, max_batch_size=0, max_model_len=0
+        )
+        self._lost_started_at = 0.0  # WorkerReady.started_at of the last worker lost
+        self._worker_checked_at = 0.0
+        self._claimed_at = 0.0
         self._stats_at = 0.0
         self._drain_checked_at = 0.0  # time.monotonic() of the last read of the drain key
         self._num_preempted_seen = 0
 
-    async def wait_for_worker(self) -> WorkerReady:
-        key = self.channels.worker(self.group)
-        while True:
-            ready = await get_message(self.redis, key, WorkerReady)
-            if ready is not None:
+    async def wait_for_worker(self) -> WorkerReady | None:
+        """A worker of the group that announced itself and beats (a newer one than the worker
+        lost last); None if asked to stop meanwhile."""
+        while self.stop_at is None:
+            ready = await get_message(self.redis, self.channels.worker(self.group), WorkerReady)
+            is_beating = await self.redis.exists(self.channels.heartbeat(self.group))
+            if ready is not None and is_beating and ready.started_at > self._lost_started_at:
                 return ready
             await asyncio.sleep(0.2)
+        return None
 
     async def run(self) -> None:
-        ready = await self.wait_for_worker()
+        """Sessions, one per worker lifetime, until stopped. A lost worker hands its requests
+        back; a Redis outage drops the session (its requests stay pending in the stream and
+        are claimed again) and retries with backoff: nothing here crashes on Redis."""
+        tasks = [
+            asyncio.create_task(self._listen_aborts()),
+            asyncio.create_task(self._keep_fresh()),
+        ]
+        backoff = 0.25
+        try:
+            while True:
+                try:
+                    ready = await self.wait_for_worker()
+                    if ready is None:
+                        return
+                    await self._start_session(ready)
+                    backoff = 0.25
+                    await self._loop()
+                    return
+                except WorkerLost as exc:
+                    log.error(
+                        "worker group %s lost (%s): handing its requests back", self.group, exc
+                    )
+                    self._lost_started_at = exc.started_at
+                    await self._end_session(hand_back=True)
+                except (*REDIS_ERRORS, ResponseError) as exc:
+                    if isinstance(exc, ResponseError) and "NOGROUP" not in str(exc):
+                        raise  # a bug, not an outage
+                    log.warning("Redis unreachable or reset (%s); retrying in %.2f s", exc, backoff)
+                    self.scheduler = None  # held requests stay pending: claimed again later
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _start_session(self, ready: WorkerReady) -> None:
         config = SchedulerConfig(
             num_blocks=ready.num_blocks,
             block_size=ready.block_size,
@@ -78,10 +141,12 @@ class SchedulerService:
             max_batch_size=min(self.settings.max_batch_size, ready.max_batch_size),
             watermark_blocks=max(1, ready.num_blocks // 100),
         )
-        self.scheduler = Scheduler(config, clock=time.time)
-        self.metrics.kv_blocks.set(ready.num_blocks)
         await ensure_group(self.redis, self.channels.requests, SCHEDULER_GROUP)
         await self.redis.delete(self.channels.results(self.group))
+        self._results_last_id = b"0-0"
+        self._worker = ready
+        self.scheduler = Scheduler(config, clock=time.time)  # its first plan resets the worker
+        self.metrics.kv_blocks.set(ready.num_blocks)
         log.info(
             "scheduler %s drives group %s (%d blocks x %d tokens)",
             self.consumer,
@@ -89,16 +154,36 @@ class SchedulerService:
             ready.num_blocks,
             ready.block_size,
         )
-        listener = asyncio.create_task(self._listen_aborts())
-        try:
-            await self._loop()
-        finally:
-            listener.cancel()
+
+    async def _end_session(self, hand_back: bool) -> None:
+        scheduler = self.scheduler
+        if scheduler is not None and hand_back:
+            scheduler.withdraw(only_waiting=False)
+            await self._finish_ended()
+        self.scheduler = None
+
+    async def _check_worker(self, force: bool = False) -> None:
+        """Raise WorkerLost when the group's heartbeat expired or another worker replaced it."""
+        now = time.monotonic()
+        if not force and now - self._worker_checked_at < WORKER_CHECK_INTERVAL_S:
+            return
+        self._worker_checked_at = now
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.exists(self.channels.heartbeat(self.group))
+            pipe.get(self.channels.worker(self.group))
+            is_beating, raw = await pipe.execute()
+        started_at = self._worker.started_at
+        current = decode(raw, WorkerReady) if raw else None
+        if not is_beating:
+            raise WorkerLost("its heartbeat expired", started_at)
+        if current is not None and current.started_at != started_at:
+            raise WorkerLost("a new worker replaced it", started_at)
 
     async def _loop(self) -> None:
         scheduler = self.scheduler
         assert scheduler is not None
         while True:
+            await self._check_worker()
             if self.stop_at is not None:
                 is_over = scheduler.num_unfinished == 0 or time.time() >= self.stop_at
                 scheduler.withdraw(only_waiting=not is_over)
@@ -107,6 +192,7 @@ class SchedulerService:
                     log.info("stopped")
                     return
             await self._check_drain()
+            await self._claim()
             await self._pull(block=scheduler.num_unfinished == 0)
             self._apply_aborts()
             scheduler.expire()
@@ -176,22 +262,59 @@ class SchedulerService:
             count=room,
             block=1000 if block else None,
         )
-        now = time.time()
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
-                try:
-                    message = entry_message(fields, GenerateRequest)
-                except Exception as exc:  # a malformed entry must not stop the group
-                    log.error("dropping malformed request entry %s: %s", entry_id, exc)
-                    await self._ack([entry_id])
-                    continue
-                if message.request_id in self.recent_aborts or (
-                    message.deadline and message.deadline < now
-                ):
-                    await self._ack([entry_id])
-                    continue
-                self.metrics.pulled.inc()
-                scheduler.add(message, entry_id)
+                await self._accept(entry_id, fields)
+
+    async def _accept(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        """Take a stream entry into the scheduler, or acknowledge it away (aborted, expired,
+        unreadable: dead-lettered)."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        try:
+            message = parse_request(fields)
+        except Unreadable as exc:  # never stops the consumer
+            await dead_letter(
+                self.redis, self.channels, self.channels.requests, entry_id, fields, str(exc)
+            )
+            await self._ack([entry_id])
+            return
+        if message.request_id in self.recent_aborts or (
+            message.deadline and message.deadline < time.time()
+        ):
+            await self._ack([entry_id])
+            return
+        self.metrics.pulled.inc()
+        scheduler.add(message, entry_id)
+
+    async def _claim(self) -> None:
+        """Take over requests of schedulers that went silent (at most every CLAIM_INTERVAL_S)."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        now = time.monotonic()
+        room = scheduler.config.max_batch_size - scheduler.num_unfinished
+        if now - self._claimed_at < CLAIM_INTERVAL_S or room <= 0 or self.draining:
+            return
+        self._claimed_at = now
+        claimed = await claim_abandoned(
+            self.redis, self.channels, self.consumer, self.settings.claim_timeout, room
+        )
+        for entry_id, fields in claimed:
+            await self._accept(entry_id, fields)
+        self.metrics.claimed.inc(len(claimed))
+
+    async def _keep_fresh(self) -> None:
+        """Background: keep the held entries' idle time low, so nobody claims them."""
+        while True:
+            await asyncio.sleep(KEEP_FRESH_INTERVAL_S)
+            scheduler = self.scheduler
+            if scheduler is None:
+                continue
+            entry_ids = [r.entry_id for r in scheduler.requests.values()]
+            try:
+                await keep_fresh(self.redis, self.channels, self.consumer, entry_ids)
+            except REDIS_ERRORS as exc:
+                log.debug("could not refresh held entries: %s", exc)
 
     async def _run_step(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
@@ -219,6 +342,7 @@ class SchedulerService:
                     self.metrics.step_round_trip.observe(time.perf_counter() - started)
                     return result
             if not entries:
+                await self._check_worker(force=True)
                 if self.stop_at is not None and time.time() >= self.stop_at:
                     log.warning("stopping without the result of step %d", plan.step_id)
                     return StepResult(step_id=plan.step_id)  # its requests are handed back
@@ -294,17 +418,33 @@ class SchedulerService:
                 log.debug("aborted %s", request_id)
 
     async def _listen_aborts(self) -> None:
-        pubsub = self.redis.pubsub()
-        await pubsub.subscribe(self.channels.aborts)
-        async for message in pubsub.listen():
-            if message.get("type") != "message":
-                continue
+        """Background: hear AbortRequests; resubscribe with backoff after a Redis outage."""
+        backoff = 0.25
+        while True:
+            pubsub = self.redis.pubsub()
             try:
-                abort = decode(message["data"], AbortRequest)
-            except Exception as exc:
-                log.warning("malformed abort message: %s", exc)
-                continue
-            self.recent_aborts[abort.request_id] = time.time()
+                await pubsub.subscribe(self.channels.aborts)
+                backoff = 0.25
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        self._hear_abort(message["data"])
+            except REDIS_ERRORS as exc:
+                log.warning("abort channel lost (%s); resubscribing in %.2f s", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                try:
+                    await pubsub.aclose()
+                except REDIS_ERRORS:
+                    pass
+
+    def _hear_abort(self, data: bytes) -> None:
+        try:
+            abort = decode(data, AbortRequest)
+        except Exception as exc:  # a poisoned message must not stop the listener
+            log.warning("malformed abort message: %s", exc)
+            return
+        self.recent_aborts[abort.request_id] = time.time()
 
     async def _publish_stats(self) -> None:
         """Throttled while busy; always when idle, so the last state is never stale."""

@@ -17,7 +17,7 @@ from services.worker.kv_cache import PagedKVCache, default_budget, plan_num_bloc
 from services.worker.loader import LoadedModel
 from services.worker.metrics import WorkerMetrics
 from services.worker.runner import ModelRunner, StepOutcome
-from shared.bus import read_stream, stream_fields
+from shared.bus import FIELD, REDIS_ERRORS, entry_message, stream_fields
 from shared.channels import Channels
 from shared.codec import encode
 from shared.messages import Heartbeat, ReplyBatch, StepPlan, WorkerReady
@@ -50,6 +50,8 @@ class WorkerService:
             loaded.model, cache, loaded.eos_token_ids, loaded.max_model_len, loaded.device
         )
         self.last_step_id = 0
+        self.started_at = time.time()  # identifies this worker's lifetime to its scheduler
+        self._ready_bytes = encode(self.ready_message())
         self.is_last_step_ok = True  # a failed step makes the group unhealthy until one succeeds
         self.stop_at: float | None = None  # unix s; set by request_stop()
 
@@ -66,17 +68,13 @@ class WorkerService:
             dtype=str(self.loaded.cache_shape.dtype).removeprefix("torch."),
             device=str(self.loaded.device),
             world_size=self.settings.num_shard,
-            started_at=time.time(),
+            started_at=self.started_at,
         )
 
     async def announce(self) -> None:
         """Drop stale plans, then publish capacity: from here on the scheduler may plan."""
         channels = self.channels
         await self.redis.delete(channels.steps(self.group))
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(channels.worker(self.group), encode(self.ready_message()))
-            pipe.sadd(channels.groups, self.group)
-            await pipe.execute()
         await self._beat()
         log.info(
             "worker group %s ready: %d blocks of %d tokens",
@@ -101,23 +99,63 @@ class WorkerService:
             log.info("stopping once idle (at most %.0f s)", self.settings.shutdown_grace)
 
     async def _step_loop(self) -> None:
-        steps = self.channels.steps(self.group)
+        """Execute plans until stopped; a Redis outage pauses it (retry with backoff, the
+        heartbeat re-announces the group once Redis is back), never ends it."""
         last_id = b"0-0"
+        backoff = 0.25
         while True:
-            block_ms = 1000 if self.stop_at is None else 250
-            entries = await read_stream(self.redis, steps, last_id, StepPlan, block_ms=block_ms)
-            if self.stop_at is not None and (
-                (not entries and not self.runner.requests) or time.time() >= self.stop_at
-            ):
-                log.info("stopped with %d requests held", len(self.runner.requests))
+            try:
+                last_id, is_done = await self._step_once(last_id)
+                backoff = 0.25
+            except REDIS_ERRORS as exc:
+                log.warning("Redis unreachable (%s); retrying in %.2f s", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            if is_done:
                 return
-            for entry_id, plan in entries:
-                last_id = entry_id
-                outcome = await asyncio.to_thread(self._execute, plan)
-                await self._publish(outcome)
-                self.last_step_id = plan.step_id
-            if entries:
-                await self.redis.xtrim(steps, minid=last_id, approximate=True)
+
+    async def _step_once(self, last_id: bytes) -> tuple[bytes, bool]:
+        """Read and run the plans after last_id; (new last_id, whether to stop)."""
+        steps = self.channels.steps(self.group)
+        block_ms = 1000 if self.stop_at is None else 250
+        reply = await self.redis.xread({steps: last_id}, block=block_ms)
+        entries = [entry for _stream, stream_entries in reply or [] for entry in stream_entries]
+        if self.stop_at is not None and (
+            (not entries and not self.runner.requests) or time.time() >= self.stop_at
+        ):
+            log.info("stopped with %d requests held", len(self.runner.requests))
+            return last_id, True
+        for entry_id, fields in entries:
+            last_id = entry_id
+            try:
+                plan = entry_message(fields, StepPlan)
+            except Exception as exc:  # a poisoned entry must not stop the worker
+                await self._dead_letter(steps, entry_id, fields, exc)
+                continue
+            outcome = await asyncio.to_thread(self._execute, plan)
+            await self._publish(outcome)
+            self.last_step_id = plan.step_id
+        if entries:
+            await self.redis.xtrim(steps, minid=last_id, approximate=True)
+        return last_id, False
+
+    async def _dead_letter(
+        self, source: str, entry_id: bytes, fields: dict, exc: Exception
+    ) -> None:
+        reason = f"malformed StepPlan: {type(exc).__name__}: {exc}"
+        log.error("dead-lettering entry %s of %s: %s", entry_id, source, reason)
+        await self.redis.xadd(
+            self.channels.dead_letters,
+            {
+                b"source": source.encode(),
+                b"entry_id": entry_id,
+                b"reason": reason.encode(),
+                FIELD: fields.get(FIELD, b""),
+            },
+            maxlen=10_000,
+            approximate=True,
+        )
 
     def _execute(self, plan: StepPlan) -> StepOutcome:
         outcome = self.runner.execute(plan)  # per-request spans: see ModelRunner
@@ -156,6 +194,7 @@ class WorkerService:
             await pipe.execute()
 
     async def _beat(self) -> None:
+        """Heartbeat, and the group's announcement again: a restarted Redis gets it back."""
         beat = Heartbeat(
             group=self.group,
             at=time.time(),
@@ -163,12 +202,16 @@ class WorkerService:
             num_requests=len(self.runner.requests),
             is_last_step_ok=self.is_last_step_ok,
         )
-        await self.redis.set(self.channels.heartbeat(self.group), encode(beat), ex=HEARTBEAT_TTL_S)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.channels.worker(self.group), self._ready_bytes)
+            pipe.sadd(self.channels.groups, self.group)
+            pipe.set(self.channels.heartbeat(self.group), encode(beat), ex=HEARTBEAT_TTL_S)
+            await pipe.execute()
 
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
             try:
                 await self._beat()
-            except (aioredis.ConnectionError, OSError) as exc:
+            except REDIS_ERRORS as exc:
                 log.warning("heartbeat failed: %s", exc)

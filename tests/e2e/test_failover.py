@@ -1,0 +1,89 @@
+"""Nothing lost: a worker group or a scheduler dies (kill -9) while 16 greedy streams run, and
+every stream still completes, token for token as transformers generates it, with one unbroken
+run of indexes (the gateway drops replayed indexes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import CLUSTER_ARGS
+from tests.e2e.reference import greedy_ids
+from tests.e2e.test_pipeline import prompt_text
+from tests.support.cluster import Cluster
+
+pytestmark = pytest.mark.integration
+CASES = [(prompt_text(i, 3 + (i * 5) % 20), 150 + (i * 37) % 200) for i in range(16)]
+
+
+@pytest.fixture
+def cluster(redis_url, tiny_llama, namespace):
+    cluster = Cluster(
+        redis_url,
+        namespace,
+        tiny_llama,
+        num_groups=2,
+        num_gateways=2,
+        args=[*CLUSTER_ARGS, "--claim-timeout", "2"],
+    )
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+async def stream(client: httpx.AsyncClient, url: str, prompt: str, n: int) -> list[dict]:
+    events = []
+    async with client.stream(
+        "POST",
+        f"{url}/generate_stream",
+        json={"inputs": prompt, "parameters": {"max_new_tokens": n, "details": True}},
+    ) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                events.append(json.loads(line[5:]))
+    return events
+
+
+def run_while_killing(cluster: Cluster, victim: str) -> list[list[dict]]:
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120) as client:
+            tasks = [
+                asyncio.ensure_future(stream(client, cluster.gateway_urls[i % 2], p, n))
+                for i, (p, n) in enumerate(CASES)
+            ]
+            while True:  # kill once group g0 is busy
+                stats = cluster.stats().get("g0")
+                if stats is not None and stats.num_running >= 2:
+                    break
+                await asyncio.sleep(0.01)
+            cluster.processes[victim].send_signal(signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    return asyncio.run(scenario())
+
+
+def assert_complete_and_exact(results: list[list[dict]], model) -> None:
+    for (prompt, n), events in zip(CASES, results, strict=True):
+        assert "error" not in events[-1], events[-1]
+        assert [e["index"] for e in events] == list(range(1, len(events) + 1)), prompt
+        assert [e["token"]["id"] for e in events] == greedy_ids(model, prompt, n, [2]), prompt
+        assert events[-1]["generated_text"] is not None
+
+
+def test_kill_a_worker_group_mid_run(cluster, tiny_llama):
+    results = run_while_killing(cluster, "worker-g0")
+    assert_complete_and_exact(results, tiny_llama)
+    assert "handing its requests back" in cluster.logs["scheduler-g0"].read_text()
+    stats = cluster.wait_idle(timeout=10)
+    assert stats["g1"].num_free_blocks == stats["g1"].num_blocks
+
+
+def test_kill_a_scheduler_mid_run(cluster, tiny_llama):
+    results = run_while_killing(cluster, "scheduler-g0")
+    assert_complete_and_exact(results, tiny_llama)
+    assert "claimed" in cluster.logs["scheduler-g1"].read_text()
