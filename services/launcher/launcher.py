@@ -1,6 +1,8 @@
 """`textgen launch`: an embedded Redis (unless --redis-url) and every service as a child
-process, like TGI's launcher. Ready means a real generation went through; a child that dies
-stops everything with a clear message; Ctrl-C or SIGTERM stops everything."""
+process, like TGI's launcher. Ready means a real generation went through. Once ready, a child
+that dies is restarted (its requests survive: see design §6) up to --max-restarts times, then
+everything stops with a clear message; a child that dies during start-up stops everything at
+once. Ctrl-C or SIGTERM stops everything."""
 
 from __future__ import annotations
 
@@ -41,12 +43,14 @@ class Launcher:
         self.forwarded_args = forwarded_args
         self.redis = EmbeddedRedis()
         self.children: dict[str, subprocess.Popen] = {}
+        self.num_restarts = 0
+        self.redis_url = ""
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         try:
-            url = self.settings.redis_url or self.redis.start()
+            url = self.redis_url = self.settings.redis_url or self.redis.start()
             for name in SERVICES:
                 self._spawn(name, url)
             self._wait_ready()
@@ -84,7 +88,7 @@ class Launcher:
         for name, child in self.children.items():
             code = child.poll()
             if code is not None:
-                raise ChildDied(f"the {name} exited with code {code}")
+                raise ChildDied(f"the {name} exited with code {code}", name)
         if not self.redis.is_alive():
             raise ChildDied("the embedded redis-server exited")
 
@@ -112,7 +116,19 @@ class Launcher:
 
     def _watch(self) -> int:
         while True:
-            self._check_children()
+            try:
+                self._check_children()
+            except ChildDied as died:
+                if died.name is None or self.num_restarts >= self.settings.max_restarts:
+                    raise
+                self.num_restarts += 1
+                print(
+                    f"textgen: {died}; restarting it ({self.num_restarts}/"
+                    f"{self.settings.max_restarts})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self._spawn(died.name, self.redis_url)
             time.sleep(0.5)
 
     def _on_signal(self, signum, _frame) -> None:
@@ -134,7 +150,9 @@ class Launcher:
 
 
 class ChildDied(Exception):
-    pass
+    def __init__(self, message: str, name: str | None = None) -> None:
+        super().__init__(message)
+        self.name = name  # the service that died; None for Redis or a start-up failure
 
 
 def _get_status(url: str) -> int:

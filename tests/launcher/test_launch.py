@@ -34,7 +34,7 @@ def is_alive(pid: int) -> bool:
     return not (status.exists() and "zombie" in status.read_text())
 
 
-def launch(model: Path, port: int) -> subprocess.Popen:
+def launch(model: Path, port: int, *flags: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("REDIS_URL", None)
     return subprocess.Popen(
@@ -47,6 +47,7 @@ def launch(model: Path, port: int) -> subprocess.Popen:
             str(model),
             "--port",
             str(port),
+            *flags,
         ],
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -70,16 +71,34 @@ def wait_for_line(process: subprocess.Popen, needle: str, timeout: float = 180) 
 
 
 @pytest.fixture
-def launched(stories_model):
-    port = free_port()
-    process = launch(stories_model, port)
-    try:
-        ready = wait_for_line(process, "textgen is ready")
-        yield process, port, ready
-    finally:
+def start(stories_model):
+    """Start `textgen launch` with extra flags; (process, port, ready line) once ready."""
+    processes = []
+
+    def run(*flags: str):
+        port = free_port()
+        process = launch(stories_model, port, *flags)
+        processes.append(process)
+        return process, port, wait_for_line(process, "textgen is ready")
+
+    yield run
+    for process in processes:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.fixture
+def launched(start):
+    return start()
+
+
+def kill_child(process: subprocess.Popen, service: str) -> list[int]:
+    """SIGKILL the launcher's child running `service`; all children's pids before it."""
+    pids = children_of(process.pid)
+    commands = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in pids}
+    os.kill(next(pid for pid, argv in commands.items() if service.encode() in argv), 9)
+    return pids
 
 
 def test_launch_serves_the_readme_curl_and_stops_on_sigterm(launched):
@@ -120,15 +139,29 @@ def test_launch_serves_the_readme_curl_and_stops_on_sigterm(launched):
     assert not any(is_alive(pid) for pid in pids)
 
 
-def test_launch_stops_everything_when_a_child_dies(launched):
-    process, _port, _ready = launched
-    pids = children_of(process.pid)
-    commands = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in pids}
-    worker = next(pid for pid, argv in commands.items() if b"worker" in argv)
-    os.kill(worker, signal.SIGKILL)
+def test_launch_stops_everything_when_a_child_dies_past_max_restarts(start):
+    process, _port, _ready = start("--max-restarts", "0")
+    pids = kill_child(process, "worker")
     assert process.wait(timeout=30) == 1
     assert "the worker exited with code -9; stopping everything" in process.stdout.read()
     deadline = time.monotonic() + 15
     while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(is_alive(pid) for pid in pids)
+
+
+def test_launch_restarts_a_dead_worker_and_serves_again(launched):
+    process, port, _ready = launched
+    kill_child(process, "worker")
+    wait_for_line(process, "the worker exited with code -9; restarting it (1/5)", timeout=30)
+    deadline = time.monotonic() + 90
+    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 8}}
+    while True:
+        response = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=60)
+        if response.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert response.status_code == 200, response.text
+    assert response.json()["generated_text"].startswith(", there was a little girl")
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 0
