@@ -14,8 +14,21 @@ class Channels:
 
     @property
     def requests(self) -> str:
-        """Stream of GenerateRequest; consumer group SCHEDULER_GROUP."""
+        """Stream of GenerateRequest (the normal lane, priority 0); group SCHEDULER_GROUP."""
         return f"{self.namespace}:requests"
+
+    def lane(self, priority: int) -> str:
+        """The request stream of a priority: > 0 high, 0 normal, < 0 low (FCFS in a lane)."""
+        if priority > 0:
+            return f"{self.namespace}:requests:high"
+        if priority < 0:
+            return f"{self.namespace}:requests:low"
+        return self.requests
+
+    @property
+    def lanes(self) -> list[str]:
+        """Every request stream, most urgent first."""
+        return [self.lane(1), self.lane(0), self.lane(-1)]
 
     @property
     def aborts(self) -> str:

@@ -232,6 +232,7 @@ class Generator:
             reply_to=self.router.channel,
             created_at=created_at,
             deadline=created_at + self.request_timeout,
+            priority=prepared.params.priority,
             traceparent=traceparent,
         )
 
@@ -240,9 +241,12 @@ class Generator:
             raise unavailable("not connected to Redis (reply channel not subscribed)")
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
-                if await self.client.xlen(self.channels.requests) > self.max_queue_length:
-                    raise overloaded()
-                await self.client.xadd(self.channels.requests, stream_fields(message))
+                async with self.client.pipeline(transaction=False) as pipe:
+                    for lane in self.channels.lanes:
+                        pipe.xlen(lane)
+                    if sum(await pipe.execute()) > self.max_queue_length:
+                        raise overloaded()
+                await self.client.xadd(self.channels.lane(message.priority), stream_fields(message))
         except (RedisError, OSError, TimeoutError) as exc:
             raise unavailable(f"Redis unreachable ({type(exc).__name__}: {exc})") from exc
         self.metrics.max_new_tokens.observe(message.stopping.max_new_tokens)

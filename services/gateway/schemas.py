@@ -39,6 +39,7 @@ class GenerateParameters(BaseModel):
     top_n_tokens: UInt32 | None = None
     grammar: dict[str, Any] | None = None
     adapter_id: str | None = None
+    priority: Int32 | None = None  # textgen extension: > 0 high lane, < 0 low lane (FCFS in each)
 
 
 def sampling_preset() -> GenerateParameters:

@@ -43,6 +43,7 @@ class ValidatedParameters:
     has_details: bool  # details or decoder_input_details
     has_decoder_input_details: bool
     return_full_text: bool | None  # None: the route's default
+    priority: int = 0  # request lane: > 0 high, 0 normal, < 0 low
 
     @property
     def reported_seed(self) -> int | None:
@@ -160,6 +161,7 @@ def validate_parameters(
         has_details=params.details or params.decoder_input_details,
         has_decoder_input_details=params.decoder_input_details,
         return_full_text=params.return_full_text,
+        priority=params.priority or 0,
     )
 
 

@@ -175,6 +175,8 @@ def show_snapshot(snapshot: QueueSnapshot, as_json: bool) -> None:
         f"stream {s.key}: {s.length} entries, {s.num_queued} queued, {s.num_pending} pending, "
         f"oldest {_seconds(s.oldest_age_s)}, lag {lag}, delivered up to {cursor}"
     )
+    lanes = ", ".join(f"{key.rsplit(':', 1)[-1]} {n}" for key, n in snapshot.lane_lengths.items())
+    print(f"lanes (entries): {lanes}")
     print()
     header = ("GROUP", "STATE", "BLOCKS", "KV USE", "RUN", "WAIT", "PENDING", "HEARTBEAT")
     rows = [header + ("STEPS", "FINISHED", "PREEMPTED", "DEVICE", "MODEL")]

@@ -105,9 +105,10 @@ class GroupView:
 class QueueSnapshot:
     namespace: str
     at: float  # unix s (Redis server clock) of the snapshot
-    stream: StreamView
+    stream: StreamView  # the normal lane (priority 0), in detail
     consumers: list[ConsumerView] = field(default_factory=list)
     groups: list[GroupView] = field(default_factory=list)
+    lane_lengths: dict[str, int] = field(default_factory=dict)  # every lane's stream -> entries
 
 
 @dataclass
@@ -175,6 +176,7 @@ class QueueView:
             stream=self._stream(now, consumers),
             consumers=consumers,
             groups=groups,
+            lane_lengths={lane: self.client.xlen(lane) for lane in self.channels.lanes},
         )
 
     def _group_info(self) -> dict[str, Any] | None:

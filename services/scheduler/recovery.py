@@ -64,34 +64,48 @@ async def dead_letter(
     )
 
 
+def as_text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def group_by_stream(entries: list[tuple[str, bytes]]) -> dict[str, list[bytes]]:
+    """(stream, entry id) pairs by stream, without the placeholder id of in-process tests."""
+    by_stream: dict[str, list[bytes]] = {}
+    for stream, entry_id in entries:
+        if stream and entry_id != b"0-0":
+            by_stream.setdefault(stream, []).append(entry_id)
+    return by_stream
+
+
 async def keep_fresh(
-    redis: aioredis.Redis, channels: Channels, consumer: str, entry_ids: list[bytes]
+    redis: aioredis.Redis, consumer: str, entries: list[tuple[str, bytes]]
 ) -> None:
     """Reset the idle time of the entries this scheduler holds, so nobody claims them."""
-    entry_ids = [e for e in entry_ids if e != b"0-0"]
-    if entry_ids:
-        await redis.xclaim(channels.requests, SCHEDULER_GROUP, consumer, 0, entry_ids, justid=True)
+    for stream, entry_ids in group_by_stream(entries).items():
+        await redis.xclaim(stream, SCHEDULER_GROUP, consumer, 0, entry_ids, justid=True)
 
 
 async def claim_abandoned(
     redis: aioredis.Redis, channels: Channels, consumer: str, min_idle_s: float, count: int
-) -> list[tuple[bytes, dict[bytes, bytes]]]:
-    """Take over up to `count` entries idle for min_idle_s (their scheduler is gone)."""
-    claimed: list[tuple[bytes, dict[bytes, bytes]]] = []
-    start = b"0-0"
-    while len(claimed) < count:
-        reply = await redis.xautoclaim(
-            channels.requests,
-            SCHEDULER_GROUP,
-            consumer,
-            int(min_idle_s * 1000),
-            start_id=start,
-            count=count - len(claimed),
-        )
-        start, entries = reply[0], reply[1]
-        claimed.extend((entry_id, fields) for entry_id, fields in entries if fields)
-        if start in (b"0-0", "0-0"):
-            break
+) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
+    """Take over up to `count` (stream, entry id, fields) idle for min_idle_s, most urgent
+    lane first (their scheduler is gone)."""
+    claimed: list[tuple[str, bytes, dict[bytes, bytes]]] = []
+    for lane in channels.lanes:
+        start = b"0-0"
+        while len(claimed) < count:
+            reply = await redis.xautoclaim(
+                lane,
+                SCHEDULER_GROUP,
+                consumer,
+                int(min_idle_s * 1000),
+                start_id=start,
+                count=count - len(claimed),
+            )
+            start, entries = reply[0], reply[1]
+            claimed.extend((lane, entry_id, fields) for entry_id, fields in entries if fields)
+            if start in (b"0-0", "0-0"):
+                break
     if claimed:
         log.warning("claimed %d requests of a silent scheduler", len(claimed))
     return claimed

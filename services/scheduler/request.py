@@ -28,6 +28,7 @@ class RequestStatus(enum.IntEnum):
 class SchedRequest:
     message: GenerateRequest  # as received; resent in full after preemption
     entry_id: bytes  # stream entry id, acknowledged when the request ends
+    stream: str  # the request stream (priority lane) the entry is in
     arrival: int  # arrival order among requests of this scheduler
     token_ids: list[int] = field(default_factory=list)  # prompt + generated so far
     num_prompt_tokens: int = 0  # len(message.input_ids)
@@ -40,10 +41,13 @@ class SchedRequest:
     pulled_at: float = 0.0  # unix s the scheduler took it from the stream
 
     @classmethod
-    def from_message(cls, message: GenerateRequest, entry_id: bytes, arrival: int) -> SchedRequest:
+    def from_message(
+        cls, message: GenerateRequest, entry_id: bytes, arrival: int, stream: str = ""
+    ) -> SchedRequest:
         return cls(
             message=message,
             entry_id=entry_id,
+            stream=stream,
             arrival=arrival,
             token_ids=list(message.input_ids) + list(message.generated_ids),
             num_prompt_tokens=len(message.input_ids),

@@ -75,11 +75,11 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
-    def add(self, message: GenerateRequest, entry_id: bytes) -> None:
+    def add(self, message: GenerateRequest, entry_id: bytes, stream: str = "") -> None:
         """A request pulled from the stream."""
         if message.request_id in self.requests:
             return  # redelivered while still held
-        request = SchedRequest.from_message(message, entry_id, self._num_arrivals)
+        request = SchedRequest.from_message(message, entry_id, self._num_arrivals, stream)
         request.pulled_at = self.clock()
         self._num_arrivals += 1
         self.requests[request.request_id] = request

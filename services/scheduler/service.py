@@ -21,8 +21,10 @@ from redis.exceptions import ResponseError
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.recovery import (
     Unreadable,
+    as_text,
     claim_abandoned,
     dead_letter,
+    group_by_stream,
     keep_fresh,
     parse_request,
 )
@@ -141,7 +143,8 @@ class SchedulerService:
             max_batch_size=min(self.settings.max_batch_size, ready.max_batch_size),
             watermark_blocks=max(1, ready.num_blocks // 100),
         )
-        await ensure_group(self.redis, self.channels.requests, SCHEDULER_GROUP)
+        for lane in self.channels.lanes:
+            await ensure_group(self.redis, lane, SCHEDULER_GROUP)
         await self.redis.delete(self.channels.results(self.group))
         self._results_last_id = b"0-0"
         self._worker = ready
@@ -222,7 +225,7 @@ class SchedulerService:
                 resumed = msgspec.structs.replace(
                     request.message, generated_ids=request.token_ids[request.num_prompt_tokens :]
                 )
-                pipe.xadd(self.channels.requests, stream_fields(resumed))
+                pipe.xadd(self.channels.lane(resumed.priority), stream_fields(resumed))
             await pipe.execute()
         self.metrics.handed_back.inc(len(requests))
         log.info("handed back %d requests", len(requests))
@@ -247,7 +250,9 @@ class SchedulerService:
             )
 
     async def _pull(self, block: bool) -> None:
-        """XREADGROUP as many requests as the group has room for."""
+        """XREADGROUP as many requests as the group has room for, lane by lane (most urgent
+        first), so a lane is only read once the more urgent ones are empty. If all are empty and
+        the group is idle, block on all lanes at once for the next arrival (count 1 each)."""
         scheduler = self.scheduler
         assert scheduler is not None
         room = scheduler.config.max_batch_size - scheduler.num_unfinished
@@ -255,18 +260,33 @@ class SchedulerService:
             if block:
                 await asyncio.sleep(0.1)
             return
-        reply = await self.redis.xreadgroup(
+        lanes = self.channels.lanes
+        num_read = 0
+        for lane in lanes:
+            if room - num_read > 0:
+                num_read += await self._read(self._consumer_reads([lane], room - num_read, None))
+        if num_read == 0 and block:
+            await self._read(self._consumer_reads(lanes, 1, 1000))
+
+    def _consumer_reads(self, streams: list[str], count: int, block_ms: int | None):
+        return self.redis.xreadgroup(
             SCHEDULER_GROUP,
             self.consumer,
-            {self.channels.requests: ">"},
-            count=room,
-            block=1000 if block else None,
+            {stream: ">" for stream in streams},
+            count=count,
+            block=block_ms,
         )
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                await self._accept(entry_id, fields)
 
-    async def _accept(self, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+    async def _read(self, reading) -> int:
+        """Accept what one XREADGROUP returned; the number of entries."""
+        num_entries = 0
+        for stream, entries in await reading or []:
+            for entry_id, fields in entries:
+                await self._accept(as_text(stream), entry_id, fields)
+                num_entries += 1
+        return num_entries
+
+    async def _accept(self, stream: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
         """Take a stream entry into the scheduler, or acknowledge it away (aborted, expired,
         unreadable: dead-lettered)."""
         scheduler = self.scheduler
@@ -274,18 +294,16 @@ class SchedulerService:
         try:
             message = parse_request(fields)
         except Unreadable as exc:  # never stops the consumer
-            await dead_letter(
-                self.redis, self.channels, self.channels.requests, entry_id, fields, str(exc)
-            )
-            await self._ack([entry_id])
+            await dead_letter(self.redis, self.channels, stream, entry_id, fields, str(exc))
+            await self._ack([(stream, entry_id)])
             return
         if message.request_id in self.recent_aborts or (
             message.deadline and message.deadline < time.time()
         ):
-            await self._ack([entry_id])
+            await self._ack([(stream, entry_id)])
             return
         self.metrics.pulled.inc()
-        scheduler.add(message, entry_id)
+        scheduler.add(message, entry_id, stream)
 
     async def _claim(self) -> None:
         """Take over requests of schedulers that went silent (at most every CLAIM_INTERVAL_S)."""
@@ -299,8 +317,8 @@ class SchedulerService:
         claimed = await claim_abandoned(
             self.redis, self.channels, self.consumer, self.settings.claim_timeout, room
         )
-        for entry_id, fields in claimed:
-            await self._accept(entry_id, fields)
+        for stream, entry_id, fields in claimed:
+            await self._accept(stream, entry_id, fields)
         self.metrics.claimed.inc(len(claimed))
 
     async def _keep_fresh(self) -> None:
@@ -310,9 +328,9 @@ class SchedulerService:
             scheduler = self.scheduler
             if scheduler is None:
                 continue
-            entry_ids = [r.entry_id for r in scheduler.requests.values()]
+            entries = [(r.stream, r.entry_id) for r in scheduler.requests.values()]
             try:
-                await keep_fresh(self.redis, self.channels, self.consumer, entry_ids)
+                await keep_fresh(self.redis, self.consumer, entries)
             except REDIS_ERRORS as exc:
                 log.debug("could not refresh held entries: %s", exc)
 
@@ -360,7 +378,7 @@ class SchedulerService:
         handed_back = [r for r in ended if r.status == RequestStatus.HANDED_BACK]
         if handed_back:
             await self._hand_back(handed_back)  # requeue first: nothing is lost in between
-        await self._ack([r.entry_id for r in ended])
+        await self._ack([(r.stream, r.entry_id) for r in ended])
         failed = [r for r in ended if r.error]
         now = time.time()
         for request in ended:
@@ -398,13 +416,15 @@ class SchedulerService:
                 pipe.publish(request.message.reply_to, encode(ReplyBatch(events=[event])))
             await pipe.execute()
 
-    async def _ack(self, entry_ids: list[bytes]) -> None:
-        entry_ids = [e for e in entry_ids if e != b"0-0"]
-        if not entry_ids:
+    async def _ack(self, entries: list[tuple[str, bytes]]) -> None:
+        """XACK then XDEL (stream, entry id) pairs: the streams keep only unfinished requests."""
+        by_stream = group_by_stream(entries)
+        if not by_stream:
             return
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xack(self.channels.requests, SCHEDULER_GROUP, *entry_ids)
-            pipe.xdel(self.channels.requests, *entry_ids)
+            for stream, entry_ids in by_stream.items():
+                pipe.xack(stream, SCHEDULER_GROUP, *entry_ids)
+                pipe.xdel(stream, *entry_ids)
             await pipe.execute()
 
     def _apply_aborts(self) -> None:
