@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import msgspec
 import redis.asyncio as aioredis
@@ -22,6 +24,31 @@ log = logging.getLogger(__name__)
 FIELD = b"m"  # stream entries hold one field whose value is the msgpack message
 # what a Redis outage raises: loops catch these, back off and retry
 REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, OSError, TimeoutError)
+
+
+def redact_url(url: str | None) -> str:
+    """`url` safe to log: the password (user:PASSWORD@ or ?password=) replaced by `***`."""
+    if not url:
+        return ""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return re.sub(r"//[^@/]*@", "//***@", url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        user = userinfo.split(":", 1)[0] if ":" in userinfo else userinfo
+        # a lone userinfo (redis://secret@host) is Redis's password-only form
+        netloc = f"{user}:***@{host}" if ":" in userinfo else f"***@{host}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode(
+            [(k, "***" if k.lower() in ("password", "pass") else v) for k, v in pairs], safe="*"
+        )
+    if "://" not in url:
+        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
 
 
 def connect(url: str) -> aioredis.Redis:

@@ -14,6 +14,8 @@ import secrets
 from importlib import metadata
 
 from fastapi import FastAPI
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from services.gateway import compat_routes, info_routes, openai_routes, tgi_routes
 from services.gateway.chat_template import ChatTemplate
@@ -24,7 +26,7 @@ from services.gateway.replies import ReplyRouter
 from services.gateway.state import Admission, GatewayState
 from services.gateway.tokenizer import TextTokenizer
 from services.gateway.validation import Limits
-from shared.bus import connect
+from shared.bus import connect, redact_url
 from shared.channels import Channels
 from shared.model_files import TOKENIZER_FILES, context_length, resolve_model_dir
 from shared.settings import Settings
@@ -72,6 +74,9 @@ def create_app(settings: Settings) -> FastAPI:
         if not settings.redis_url:
             raise RuntimeError("the gateway needs --redis-url")
         state.client = connect(settings.redis_url)
+        # fail fast while Redis is down (503 at once, not after redis-py's backoff); one retry
+        # still replaces a pooled connection that died with a restarted Redis
+        state.client.set_retry(Retry(NoBackoff(), 1))
         state.router = ReplyRouter(state.client, state.channels.reply(state.gateway_id))
         state.generator = Generator(
             state.client,
@@ -85,7 +90,8 @@ def create_app(settings: Settings) -> FastAPI:
         await state.router.start()
         if not await state.router.wait_subscribed(timeout=2.0):
             log.warning(
-                "Redis at %s unreachable; answering 503 until it is back", settings.redis_url
+                "Redis at %s unreachable; answering 503 until it is back",
+                redact_url(settings.redis_url),
             )
         log.info(
             "gateway %s ready: model %s, limits %s",

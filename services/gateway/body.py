@@ -7,7 +7,9 @@ plain-text message: 415 wrong Content-Type, 413 too large, 400 not JSON, 422 wro
 from __future__ import annotations
 
 import json
-from typing import TypeVar
+import math
+import re
+from typing import Any, TypeVar
 
 import pydantic
 from fastapi import Request
@@ -18,6 +20,46 @@ T = TypeVar("T", bound=pydantic.BaseModel)
 
 CONTENT_TYPE_TEXT = "Expected request with `Content-Type: application/json`"
 TOO_LARGE_TEXT = "Failed to buffer the request body: length limit exceeded"
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number out of range: {text[:40]}")
+    return value
+
+
+def _check_strings(value: Any) -> None:
+    """Reject lone UTF-16 surrogates ("\\ud800"), as serde_json does: no valid text has them."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if LONE_SURROGATE.search(item):
+                raise ValueError("lone surrogate in a string escape")
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def loads_strict(raw: bytes) -> Any:
+    """JSON as serde_json reads it: UTF-8 only (no BOM), no NaN/Infinity, no out-of-range floats, no
+    lone surrogates; raises ValueError (RecursionError for absurd nesting is one too)."""
+    try:
+        # UTF-8 only: json.loads(bytes) would also take UTF-16/32 and a BOM, serde_json does not
+        text = raw.decode("utf-8")
+        data = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError as exc:
+        raise ValueError("recursion limit exceeded") from exc
+    _check_strings(data)
+    return data
 
 
 def is_json_content_type(value: str | None) -> bool:
@@ -65,7 +107,7 @@ def parse_body(raw: bytes, content_type: str | None, model: type[T]) -> T:
     if not is_json_content_type(content_type):
         raise BodyError(415, CONTENT_TYPE_TEXT)
     try:
-        data = json.loads(raw)
+        data = loads_strict(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BodyError(400, f"Failed to parse the request body as JSON: {exc}") from exc
     try:

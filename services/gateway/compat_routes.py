@@ -19,7 +19,13 @@ from services.gateway.errors import GatewayError, ValidationError
 from services.gateway.openai_routes import answer_chat, chat_completions, completions, render_prompt
 from services.gateway.openai_schemas import ChatBody
 from services.gateway.schemas import GenerateBody
-from services.gateway.tgi_routes import compat_generate, decode, gateway, run_generate
+from services.gateway.tgi_routes import (
+    compat_generate,
+    decode,
+    gateway,
+    run_generate,
+    unauthorized,
+)
 from services.gateway.tokenizer import TokenizerError
 
 router = APIRouter()
@@ -71,6 +77,9 @@ async def chat_tokenize(request: Request) -> Response:
 async def invocations(request: Request) -> Response:
     """SageMaker: `messages` -> chat, `prompt` -> completions, else TGI's compat generate."""
     state = gateway(request)
+    denied = unauthorized(state, request)  # protected, as in TGI: before the body is read
+    if denied is not None:
+        return denied
     body = await read_object(request, state.settings.payload_limit)
     if isinstance(body, Response):
         return body

@@ -28,6 +28,8 @@ async def has_ready_group(state: GatewayState) -> bool:
     """Redis answers and some worker group has its WorkerReady key and a live heartbeat whose
     last step succeeded (busy is not unhealthy: a full queue does not matter here)."""
     client, channels = state.client, state.channels
+    if state.router is None or not state.router.is_subscribed:
+        return False  # Redis is down (the reply subscription is retrying): answer at once
     try:
         async with asyncio.timeout(HEALTH_TIMEOUT_S):
             groups = await client.smembers(channels.groups)

@@ -6,6 +6,10 @@ puts each TokenEvent on the asyncio.Queue registered for its request_id. Events 
 requests (finished, aborted, another gateway's) are dropped, and so are token indexes already
 delivered: a request replayed on another worker group re-sends its first tokens, and the
 client must still see one unbroken stream.
+
+When the subscription is lost (Redis went away), every registered request gets an error event
+at once: its stream ends with an error instead of waiting for its deadline, since no token
+published meanwhile can reach this gateway. A malformed ReplyBatch is logged and skipped.
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from shared.codec import decode
-from shared.messages import ReplyBatch, TokenEvent
+from shared.messages import SCHEMA_VERSION, ReplyBatch, TokenEvent
 
 log = logging.getLogger(__name__)
+LOST_CONNECTION = "lost the connection to Redis"
+MAX_BACKOFF_S = 2.0
 
 
 @dataclass
@@ -88,13 +94,32 @@ class ReplyRouter:
                 pending.num_delivered = fresh.index + len(fresh.token_ids) - 1
             pending.queue.put_nowait(fresh)
 
+    def fail_all(self, message: str) -> None:
+        """End every registered request with an error event (the subscription was lost)."""
+        for request_id, pending in self._pending.items():
+            pending.queue.put_nowait(
+                TokenEvent(request_id=request_id, error=message, error_type="generation")
+            )
+        if self._pending:
+            log.warning("failed %d requests in flight: %s", len(self._pending), message)
+
     def on_message(self, data: bytes) -> None:
+        """Dispatch one ReplyBatch; anything unreadable is logged and skipped, never raised."""
         try:
             batch = decode(data, ReplyBatch)
+            if batch.v > SCHEMA_VERSION:
+                log.warning(
+                    "dropping reply batch of schema version %s (this gateway reads %s) on %s",
+                    batch.v,
+                    SCHEMA_VERSION,
+                    self.channel,
+                )
+                return
+            self.dispatch(batch)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("dropping malformed reply batch on %s: %s", self.channel, exc)
-            return
-        self.dispatch(batch)
+        except Exception:
+            log.exception("dropping a reply batch that could not be dispatched on %s", self.channel)
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="reply-router")
@@ -115,7 +140,8 @@ class ReplyRouter:
         return self.is_subscribed
 
     async def _run(self) -> None:
-        """Subscribe and listen forever; on a Redis failure, resubscribe with backoff."""
+        """Subscribe and listen forever; on a Redis failure, fail the requests in flight and
+        resubscribe with backoff (0.1 s doubling up to MAX_BACKOFF_S)."""
         delay = 0.1
         while not self._is_stopping:
             pubsub = self.client.pubsub()
@@ -128,11 +154,15 @@ class ReplyRouter:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
                     if message is not None and message["type"] == "message":
                         self.on_message(message["data"])
-            except (RedisError, OSError) as exc:
+            except Exception as exc:  # Redis errors, and anything else: the router never dies
                 self.is_subscribed = False
-                log.warning("reply subscription lost (%s); retrying in %.1fs", exc, delay)
+                self.fail_all(LOST_CONNECTION)
+                if isinstance(exc, RedisError | OSError | TimeoutError):
+                    log.warning("reply subscription lost (%s); retrying in %.1fs", exc, delay)
+                else:
+                    log.exception("reply subscription failed; retrying in %.1fs", delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+                delay = min(delay * 2, MAX_BACKOFF_S)
             finally:
                 self.is_subscribed = False
                 with contextlib.suppress(Exception):

@@ -41,3 +41,76 @@ async def test_router_demux_drops_unknown_and_replayed():
     router.dispatch(ReplyBatch(events=[event(4, [9])]))
     assert queue.qsize() == 0
     await asyncio.sleep(0)
+
+
+def test_poisoned_batches_are_skipped(caplog):
+    import msgspec
+
+    from shared.codec import encode
+    from shared.messages import SCHEMA_VERSION
+
+    router = ReplyRouter(client=None, channel="c")
+    queue = router.register("r")
+    poison = [
+        b"",
+        b"\xff\x00garbage",
+        b"\x81\xa6events\xa5oops",  # {"events": "oops"}
+        msgspec.msgpack.encode({"events": [{"request_id": 5}]}),
+        msgspec.msgpack.encode({"events": [{"request_id": "r", "token_ids": ["a"]}]}),
+        msgspec.msgpack.encode([1, 2, 3]),
+        encode(ReplyBatch(v=SCHEMA_VERSION + 1, events=[event(1, [5])])),
+    ]
+    for data in poison:
+        router.on_message(data)  # never raises
+    assert queue.empty()
+    assert len([r for r in caplog.records if "dropping" in r.getMessage()]) == len(poison)
+    router.on_message(encode(ReplyBatch(events=[event(1, [5])])))
+    assert queue.get_nowait().token_ids == [5]
+
+
+class _LostPubSub:
+    """A pub/sub whose connection drops on the first read, then stays refused."""
+
+    def __init__(self, calls: list[str]):
+        self.calls = calls
+
+    async def subscribe(self, channel):
+        from redis.exceptions import ConnectionError as RedisConnectionError
+
+        self.calls.append("subscribe")
+        if self.calls.count("subscribe") > 1:
+            raise RedisConnectionError("refused")
+
+    async def get_message(self, **_):
+        from redis.exceptions import ConnectionError as RedisConnectionError
+
+        await asyncio.sleep(0.01)
+        raise RedisConnectionError("Connection closed by server.")
+
+    async def aclose(self):
+        pass
+
+
+class _Client:
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def pubsub(self):
+        return _LostPubSub(self.calls)
+
+
+async def test_lost_subscription_fails_requests_in_flight():
+    client = _Client()
+    router = ReplyRouter(client=client, channel="c")
+    queues = [router.register(f"r{i}") for i in range(3)]
+    await router.start()
+    try:
+        for i, queue in enumerate(queues):
+            lost = await asyncio.wait_for(queue.get(), 1.0)
+            assert lost.request_id == f"r{i}" and lost.error_type == "generation"
+            assert "lost the connection to Redis" in lost.error
+        await asyncio.sleep(0.4)  # retries with backoff, and keeps running
+        assert client.calls.count("subscribe") >= 2
+        assert not router.is_subscribed and not router._task.done()
+    finally:
+        await router.stop()
