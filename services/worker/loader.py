@@ -43,6 +43,30 @@ def pick_dtype(name: str, device: torch.device, config_dtype: torch.dtype | None
     return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+class UnsupportedModel(RuntimeError):
+    """The model cannot run on the paged engine (yet)."""
+
+
+def check_supported(config) -> None:
+    """The paged engine runs models whose transformers code dispatches attention through
+    AttentionInterface; others (ALiBi models such as BLOOM and MPT, Falcon, encoder-decoders)
+    would silently ignore the paged cache, so they are refused with a clear message."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError as exc:
+        raise UnsupportedModel(
+            f"{config.model_type} is not a causal language model transformers can load with "
+            "AutoModelForCausalLM (encoder-decoder models are not supported yet)"
+        ) from exc
+    if not getattr(model_class, "_supports_attention_backend", False):
+        raise UnsupportedModel(
+            f"{model_class.__name__} does not route attention through transformers' attention "
+            "interface, so it cannot use the paged KV cache; it is not supported yet"
+        )
+
+
 def load_model(
     model_id: str,
     revision: str | None = None,
@@ -55,6 +79,7 @@ def load_model(
     paged_attention.register()
     folder = resolve_model_dir(model_id, revision)
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    check_supported(config)
     target = pick_device(device)
     config_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     torch_dtype = pick_dtype(

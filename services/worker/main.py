@@ -6,9 +6,10 @@ import asyncio
 import logging
 import signal
 
-from services.worker.loader import load_model
+from services.worker.loader import UnsupportedModel, load_model
 from services.worker.service import WorkerService
 from shared.bus import connect, wait_for_redis
+from shared.model_files import ModelNotFound
 from shared.ops_server import OpsServer
 from shared.settings import Settings
 from shared.telemetry import new_registry, setup_tracing
@@ -55,4 +56,7 @@ def run(settings: Settings) -> None:
         raise SystemExit("--num-shard > 1 is not supported yet")
     if settings.quantize:
         raise SystemExit(f"--quantize {settings.quantize} is not supported yet")
-    asyncio.run(serve(settings))
+    try:
+        asyncio.run(serve(settings))
+    except (UnsupportedModel, ModelNotFound) as exc:
+        raise SystemExit(f"textgen worker: {exc}") from exc
