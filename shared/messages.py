@@ -215,4 +215,7 @@ class SchedulerStats(Message):
     num_prefill_chunks: int = 0  # partial prompt chunks scheduled (chunked prefill)
     num_mixed_steps: int = 0  # steps that prefilled and decoded in one forward
     num_preempted: int = 0  # requests preempted (recompute) since start
+    num_admitted_tokens: int = 0  # known tokens of admitted requests since start
+    num_cached_tokens: int = 0  # of those, found in the prefix cache (hit rate = ratio)
+    num_cached_blocks: int = 0  # blocks holding a registered prefix now
     draining: bool = False  # no longer pulling new requests

@@ -69,6 +69,9 @@ class Settings(BaseSettings):
     waiting_served_ratio: float = 0.3
     max_waiting_tokens: int = 20
     block_size: int = Field(16, description="tokens per KV-cache block")
+    disable_prefix_caching: bool = Field(
+        False, description="do not reuse KV blocks of equal prompt prefixes"
+    )
     metrics_port: int | None = Field(None, description="Prometheus port of scheduler/worker")
 
     # --- worker -----------------------------------------------------------------------------

@@ -47,6 +47,14 @@ class SchedulerMetrics:
             "textgen_scheduler_ended_requests", "requests ended, by status", ["status"], registry=r
         )
         self.preempted = Counter("textgen_scheduler_preemptions", "preemptions", registry=r)
+        self.prefix_hit_rate = Gauge(
+            "textgen_scheduler_prefix_cache_hit_rate",
+            "share of admitted tokens found in the prefix cache",
+            registry=r,
+        )
+        self.cached_blocks = Gauge(
+            "textgen_scheduler_prefix_cache_blocks", "blocks holding a cached prefix", registry=r
+        )
         self.claimed = Counter(
             "textgen_scheduler_claimed", "requests taken over from a silent scheduler", registry=r
         )

@@ -39,6 +39,8 @@ class SchedRequest:
     scheduled_at: float = 0.0  # unix s of the first scheduling
     error: str = ""  # why the scheduler failed it (the service tells the gateway)
     pulled_at: float = 0.0  # unix s the scheduler took it from the stream
+    num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
 
     @classmethod
     def from_message(

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.scheduler.block_manager import BlockManager
+from services.scheduler.block_manager import BlockManager, block_hashes
 from services.scheduler.request import RequestStatus, SchedRequest
 from shared.messages import (
     GenerateRequest,
@@ -40,6 +40,7 @@ class SchedulerConfig:
     max_batch_prefill_tokens: int = 4096  # tokens computed per step (prefill and decode)
     max_batch_size: int = 256  # requests per step
     watermark_blocks: int = 0  # blocks kept free when admitting, so decodes rarely preempt
+    enable_prefix_caching: bool = True  # reuse cached blocks of equal prompt prefixes
 
 
 @dataclass
@@ -51,6 +52,8 @@ class StepCounters:
     num_prefill_chunks: int = 0
     num_mixed_steps: int = 0
     num_preempted: int = 0
+    num_admitted_tokens: int = 0  # known tokens of requests at admission
+    num_cached_tokens: int = 0  # of those, found in the prefix cache
 
 
 class Scheduler:
@@ -115,6 +118,7 @@ class Scheduler:
             request = self.requests.get(output.request_id)
             if request is None:
                 continue  # aborted while the step ran
+            self._register_computed_blocks(request)  # computed now: shareable
             request.token_ids.extend(output.token_ids)
             if output.finish_reason is not None:
                 self._end(request, RequestStatus.FINISHED, is_on_worker_done=True)
@@ -178,12 +182,20 @@ class Scheduler:
                 )
                 self._end(request, RequestStatus.FAILED)
                 continue
-            num_tokens = min(request.num_uncomputed_tokens, budget)
-            num_blocks = self.blocks.num_missing_blocks(num_tokens, 0)
+            cached = self._cached_prefix(request)
+            num_cached = len(cached) * self.blocks.block_size
+            num_tokens = min(len(request.token_ids) - num_cached, budget)
+            num_blocks = self.blocks.num_missing_blocks(num_cached + num_tokens, len(cached))
             if not self.blocks.can_allocate(num_blocks, reserve=self.config.watermark_blocks):
+                self.blocks.free(cached)
                 break  # head-of-line: keep arrival order
             self.waiting.pop(0)
-            request.block_ids = self.blocks.allocate(num_blocks)
+            request.block_ids = cached + self.blocks.allocate(num_blocks)
+            request.num_hashed_blocks = len(cached)  # registered already
+            request.num_computed_tokens = num_cached
+            request.num_cached_tokens = num_cached
+            self.counters.num_admitted_tokens += len(request.token_ids)
+            self.counters.num_cached_tokens += num_cached
             request.status = RequestStatus.RUNNING
             if not request.scheduled_at:
                 request.scheduled_at = self.clock()
@@ -192,6 +204,27 @@ class Scheduler:
                 self.counters.num_joined_running += 1
             scheduled.append((request, num_tokens, request.block_ids))
             budget -= num_tokens
+
+    def _cached_prefix(self, request: SchedRequest) -> list[int]:
+        """Cached blocks of the request's leading full blocks (a reference taken on each). At
+        least one token is always left to compute: its logits give the next token."""
+        if not self.config.enable_prefix_caching or request.message.sampling.prefill_logprobs:
+            return []
+        num_full = (len(request.token_ids) - 1) // self.blocks.block_size
+        if num_full == 0:
+            return []
+        hashes = block_hashes(request.token_ids, self.blocks.block_size, num_full)
+        return self.blocks.cached_prefix(hashes)
+
+    def _register_computed_blocks(self, request: SchedRequest) -> None:
+        """Put the request's newly computed full blocks in the prefix cache."""
+        num_full = request.num_computed_tokens // self.blocks.block_size
+        if num_full <= request.num_hashed_blocks or not self.config.enable_prefix_caching:
+            return
+        hashes = block_hashes(request.token_ids, self.blocks.block_size, num_full)
+        for index in range(request.num_hashed_blocks, num_full):
+            self.blocks.register(request.block_ids[index], hashes[index])
+        request.num_hashed_blocks = num_full
 
     def _grow(self, request: SchedRequest, num_tokens: int) -> list[int] | None:
         """Blocks to add so the request can compute num_tokens more; None if not enough."""
@@ -211,7 +244,7 @@ class Scheduler:
         self.running.remove(request)
         self.blocks.free(request.block_ids)
         request.block_ids = []
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_hashed_blocks = 0
         request.status = RequestStatus.WAITING
         if request.is_on_worker:
             self._released_ids.append(request.request_id)
@@ -320,5 +353,8 @@ class Scheduler:
             num_prefill_chunks=c.num_prefill_chunks,
             num_mixed_steps=c.num_mixed_steps,
             num_preempted=c.num_preempted,
+            num_admitted_tokens=c.num_admitted_tokens,
+            num_cached_tokens=c.num_cached_tokens,
+            num_cached_blocks=self.blocks.num_cached_blocks,
             draining=draining,
         )

@@ -142,6 +142,7 @@ class SchedulerService:
             max_batch_prefill_tokens=self.settings.max_batch_prefill_tokens,
             max_batch_size=min(self.settings.max_batch_size, ready.max_batch_size),
             watermark_blocks=max(1, ready.num_blocks // 100),
+            enable_prefix_caching=not self.settings.disable_prefix_caching,
         )
         for lane in self.channels.lanes:
             await ensure_group(self.redis, lane, SCHEDULER_GROUP)
@@ -480,4 +481,7 @@ class SchedulerService:
         self.metrics.kv_blocks_used.set(stats.num_blocks - stats.num_free_blocks)
         self.metrics.preempted.inc(stats.num_preempted - self._num_preempted_seen)
         self._num_preempted_seen = stats.num_preempted
+        if stats.num_admitted_tokens:
+            self.metrics.prefix_hit_rate.set(stats.num_cached_tokens / stats.num_admitted_tokens)
+        self.metrics.cached_blocks.set(stats.num_cached_blocks)
         await self.redis.set(self.channels.scheduler_stats(self.group), encode(stats))

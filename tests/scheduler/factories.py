@@ -19,12 +19,21 @@ _ids = itertools.count()
 
 
 def request(
-    num_prompt_tokens: int, max_new_tokens: int = 8, priority: int = 0, deadline: float = 0.0
+    num_prompt_tokens: int,
+    max_new_tokens: int = 8,
+    priority: int = 0,
+    deadline: float = 0.0,
+    prefix: list[int] | None = None,
+    **sampling,
 ) -> GenerateRequest:
+    """A request whose prompt is `prefix` then tokens no other request has."""
+    number = next(_ids)
+    prefix = prefix or []
+    unique = [1000 * (number + 1) + i for i in range(num_prompt_tokens - len(prefix))]
     return GenerateRequest(
-        request_id=f"q{next(_ids)}",
-        input_ids=list(range(1, num_prompt_tokens + 1)),
-        sampling=SamplingParams(),
+        request_id=f"q{number}",
+        input_ids=prefix + unique,
+        sampling=SamplingParams(**sampling),
         stopping=StoppingParams(max_new_tokens=max_new_tokens),
         reply_to="reply",
         created_at=0.0,
@@ -39,6 +48,7 @@ def scheduler(
     prefill: int = 32,
     max_batch_size: int = 16,
     clock=lambda: 100.0,
+    prefix_caching: bool = True,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -46,6 +56,7 @@ def scheduler(
             block_size=block_size,
             max_batch_prefill_tokens=prefill,
             max_batch_size=max_batch_size,
+            enable_prefix_caching=prefix_caching,
         ),
         clock=clock,
     )

@@ -183,3 +183,29 @@ def test_watermark_makes_sampled_text_green(loaded_tiny):
         ) / len(requests)
     assert abs(fractions[False] - GAMMA) < 0.12
     assert fractions[True] > GAMMA + 0.2
+
+
+def test_prefix_cache_hits_keep_parity(loaded_tiny, tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa")
+    shared = prompts(3)[2][:70]  # 4 full blocks of 16 are shared
+    engine = EngineLoop(loaded_tiny, num_blocks=64)
+    first = make_request(shared + [7, 8, 9], max_new_tokens=10)
+    engine.add(first)
+    engine.run()
+    later = [make_request(shared + tail, max_new_tokens=10) for tail in ([5], [11, 12, 13])]
+    for request in later:
+        engine.add(request)
+    engine.run()
+    assert engine.scheduler.counters.num_cached_tokens == 2 * 64
+    for request in [first, *later]:
+        expected = reference.generate(
+            torch.tensor([request.input_ids]),
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=loaded_tiny.eos_token_ids,
+            pad_token_id=0,
+        )[0, len(request.input_ids) :].tolist()
+        assert engine.tokens[request.request_id] == expected
+    assert engine.scheduler.blocks.num_free_blocks == 64
