@@ -77,6 +77,9 @@ def create_app(settings: Settings) -> FastAPI:
         # fail fast while Redis is down (503 at once, not after redis-py's backoff); one retry
         # still replaces a pooled connection that died with a restarted Redis
         state.client.set_retry(Retry(NoBackoff(), 1))
+        # every request in flight may hold a connection at once (its XADD, then its abort)
+        pool = state.client.connection_pool
+        pool.max_connections = max(pool.max_connections, 2 * settings.max_concurrent_requests + 16)
         state.router = ReplyRouter(state.client, state.channels.reply(state.gateway_id))
         state.generator = Generator(
             state.client,
