@@ -33,6 +33,8 @@ def test_services_import_only_shared_and_themselves():
                 if parts[0] == "services" and len(parts) > 1 and parts[1] != service:
                     if service == "launcher" and path.name == "cli.py":
                         continue  # the CLI dispatches to each service's run()
+                    if service == "engine" and parts[1] in ("scheduler", "worker"):
+                        continue  # the in-process engine composes scheduler and worker
                     offenders.append(f"{path.relative_to(REPO)} imports {name}")
     assert offenders == []
 

@@ -1,0 +1,172 @@
+"""The same scheduler and model runner as the services, wired by direct calls instead of
+Redis: each StepPlan goes straight to ModelRunner.execute and each StepResult straight back
+to Scheduler.update. This package composes two services, like the launcher does; the services
+themselves never import each other."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.scheduler.request import SchedRequest
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.worker.kv_cache import PagedKVCache, default_budget, plan_num_blocks
+from services.worker.loader import LoadedModel, load_model
+from services.worker.runner import ModelRunner
+from shared.messages import FinishReason, GenerateRequest, SamplingParams, StoppingParams
+
+
+@dataclass
+class Output:
+    """One finished generation."""
+
+    prompt: str | list[int]  # as given
+    token_ids: list[int]  # generated tokens
+    text: str  # generated_token ids decoded, special tokens skipped
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    step_sizes: list[int] = field(default_factory=list)  # requests per step
+
+
+class Engine:
+    """`Engine(model_id).generate(prompts, max_new_tokens=...)`: continuous batching, paged KV
+    cache, chunked prefill and prefix caching, in this process."""
+
+    def __init__(
+        self,
+        model_id: str | LoadedModel,
+        *,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        max_batch_prefill_tokens: int = 4096,
+        max_batch_size: int = 256,
+        enable_prefix_caching: bool = True,
+        dtype: str = "auto",
+        device: str | None = None,
+    ) -> None:
+        self.loaded = (
+            model_id
+            if isinstance(model_id, LoadedModel)
+            else load_model(model_id, dtype=dtype, device=device)
+        )
+        if num_blocks is None:
+            budget = kv_cache_memory or default_budget(self.loaded.device)
+            max_tokens = max_batch_size * self.loaded.max_model_len
+            num_blocks = plan_num_blocks(self.loaded.cache_shape, block_size, budget, max_tokens)
+        cache = PagedKVCache(self.loaded.cache_shape, num_blocks, block_size, self.loaded.device)
+        self.runner = ModelRunner(
+            self.loaded.model,
+            cache,
+            self.loaded.eos_token_ids,
+            self.loaded.max_model_len,
+            self.loaded.device,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=num_blocks,
+                block_size=block_size,
+                max_batch_prefill_tokens=max_batch_prefill_tokens,
+                max_batch_size=max_batch_size,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            clock=time.time,
+        )
+        self.stats = EngineStats()
+        self._tokenizer: Any = None
+        self._ids = itertools.count()
+        self._outputs: dict[str, list[int]] = {}
+        self._finish: dict[str, FinishReason | None] = {}
+        self._errors: dict[str, str] = {}
+        self.ended: list[SchedRequest] = []  # requests the scheduler ended, in order
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizers.Tokenizer (from tokenizer.json)."""
+        if self._tokenizer is None:
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(str(self.loaded.folder / "tokenizer.json"))
+        return self._tokenizer
+
+    def add(
+        self, input_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None
+    ) -> str:
+        """Queue one request; its id."""
+        request_id = f"e{next(self._ids)}"
+        self.scheduler.add(
+            GenerateRequest(
+                request_id=request_id,
+                input_ids=input_ids,
+                sampling=sampling or SamplingParams(),
+                stopping=StoppingParams(max_new_tokens=max_new_tokens),
+                reply_to="",
+                created_at=time.time(),
+                deadline=0.0,
+            ),
+            b"0-0",
+        )
+        self._outputs[request_id] = []
+        return request_id
+
+    def step(self) -> bool:
+        """Run one step; False when nothing is left to do."""
+        plan = self.scheduler.schedule()
+        self._take_ended()
+        if plan is None:
+            return False
+        outcome = self.runner.execute(plan)
+        self.stats.num_steps += 1
+        self.stats.step_sizes.append(len(plan.new_requests) + len(plan.running))
+        for events in outcome.events.values():
+            for event in events:
+                self._outputs[event.request_id].extend(event.token_ids)
+                self.stats.num_generated_tokens += len(event.token_ids)
+                if event.finish_reason is not None:
+                    self._finish[event.request_id] = event.finish_reason
+                if event.error:
+                    self._errors[event.request_id] = event.error
+        self.scheduler.update(outcome.result)
+        self._take_ended()
+        return True
+
+    def _take_ended(self) -> None:
+        for ended in self.scheduler.take_ended():
+            self.ended.append(ended)
+            if ended.error:
+                self._errors[ended.request_id] = ended.error
+
+    def run(self) -> None:
+        while self.step():
+            pass
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        max_new_tokens: int = 64,
+        sampling: SamplingParams | None = None,
+    ) -> list[Output]:
+        """Generate for every prompt (text, or token ids), all batched together."""
+        tokenized = [
+            self.tokenizer.encode(p).ids if isinstance(p, str) else list(p) for p in prompts
+        ]
+        request_ids = [self.add(ids, max_new_tokens, sampling) for ids in tokenized]
+        self.run()
+        outputs = []
+        for prompt, ids, request_id in zip(prompts, tokenized, request_ids, strict=True):
+            if self._errors.get(request_id):
+                raise RuntimeError(f"request {request_id} failed: {self._errors[request_id]}")
+            token_ids = self._outputs.pop(request_id)
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if token_ids else ""
+            outputs.append(
+                Output(prompt, token_ids, text, self._finish.pop(request_id, None), len(ids))
+            )
+        return outputs
