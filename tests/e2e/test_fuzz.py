@@ -1,0 +1,119 @@
+"""Fuzzing the live gateway: nothing it is sent gives a 5xx.
+
+schemathesis generates requests for every operation of /openapi.json (not_a_server_error), and
+hypothesis throws random JSON values at each /generate parameter; both on a gateway with tiny
+token limits so that every accepted generation is short. Budgets keep the module under 60 s."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis.checks import not_a_server_error
+
+pytestmark = pytest.mark.timeout(180)
+EXAMPLES_PER_OPERATION = 20
+SCHEMA_BUDGET_S = 35.0
+OK = {200, 400, 413, 415, 422, 429}
+PARAMETERS = [
+    "best_of",
+    "temperature",
+    "repetition_penalty",
+    "frequency_penalty",
+    "top_k",
+    "top_p",
+    "typical_p",
+    "do_sample",
+    "max_new_tokens",
+    "return_full_text",
+    "stop",
+    "truncate",
+    "watermark",
+    "details",
+    "decoder_input_details",
+    "seed",
+    "top_n_tokens",
+    "grammar",
+    "adapter_id",
+]
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.sampled_from([0, 1, -1, 2, 0.5, 1.0, 2**32, 2**64, 1e30, -1e30, 5e-324])
+    | st.text(max_size=12),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@pytest.fixture(scope="module")
+def fuzz_gateway(tiny_cluster) -> str:
+    return tiny_cluster.add_gateway(
+        "--max-total-tokens", "24", "--max-input-tokens", "16", "--request-timeout", "20"
+    )
+
+
+def is_tgi_body(response: httpx.Response) -> bool:
+    """The shapes TGI answers with: plain text for body rejections, else its JSON."""
+    if response.status_code in (400, 413, 415) or response.text.startswith("Failed to"):
+        return True
+    body = response.json()
+    if response.status_code == 200:
+        return isinstance(body, dict) and isinstance(body.get("generated_text"), str)
+    return set(body) == {"error", "error_type"} and isinstance(body["error"], str)
+
+
+def test_openapi_no_server_errors(fuzz_gateway):
+    schema = schemathesis.openapi.from_url(f"{fuzz_gateway}/openapi.json")
+    started = time.monotonic()
+    tested = []
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        if time.monotonic() - started > SCHEMA_BUDGET_S:
+            break
+
+        @settings(
+            max_examples=EXAMPLES_PER_OPERATION,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(case=operation.as_strategy())
+        def check(case):
+            response = case.call(base_url=fuzz_gateway, timeout=30)
+            case.validate_response(response, checks=(not_a_server_error,))
+
+        check()
+        tested.append(operation.label)
+    print(f"schemathesis: {len(tested)} operations in {time.monotonic() - started:.1f} s")
+    assert any("/generate" in label for label in tested)
+
+
+@pytest.mark.parametrize("name", PARAMETERS)
+def test_generate_parameter_fuzz(fuzz_gateway, name):
+    with httpx.Client(base_url=fuzz_gateway, timeout=30) as http:
+
+        @settings(max_examples=6, deadline=None, database=None)
+        @given(value=json_values, inputs=st.sampled_from(["Hi", "", " ", "😀 שלום e\u0301"]))
+        def check(value, inputs):
+            body = {"inputs": inputs, "parameters": {name: value, "max_new_tokens": 4}}
+            if name == "max_new_tokens":
+                body["parameters"] = {name: value}
+            response = http.post(
+                "/generate",
+                content=json.dumps(body).encode(),
+                headers={"content-type": "application/json"},
+            )
+            assert response.status_code in OK, (body, response.status_code, response.text)
+            assert is_tgi_body(response), (body, response.text)
+
+        check()
