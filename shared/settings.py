@@ -140,6 +140,17 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, help=field.description or "", **kwargs)
 
 
+def describe_invalid(exc: Exception) -> str:
+    """A settings error without the values given (they may hold a password)."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return type(exc).__name__
+    return "; ".join(
+        f"{'.'.join(str(part) for part in error['loc']) or 'settings'}: {error['msg']}"
+        for error in errors(include_input=False, include_url=False)
+    )
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Settings from parsed flags, falling back to the environment and defaults."""
     explicit = {k: v for k, v in vars(args).items() if k in Settings.model_fields}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.settings import add_settings_flags, settings_from_args
+from shared.settings import add_settings_flags, describe_invalid, settings_from_args
 from shared.telemetry import setup_logging
 
 COMMANDS = {
@@ -52,14 +52,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from_args(args)
     except ValueError as exc:
-        print(f"textgen {args.command}: invalid settings: {exc}", file=sys.stderr)
+        print(f"textgen {args.command}: invalid settings: {describe_invalid(exc)}", file=sys.stderr)
         return 2
     setup_logging(args.command, settings.log_level, settings.json_output)
     if args.command == "launch":
         from services.launcher.launcher import Launcher
 
         forwarded = [a for a in argv[1:]]
-        return Launcher(settings, _without_redis_url(forwarded)).run()
+        return Launcher(settings, without_secret_flags(forwarded)).run()
     if args.command == "gateway":
         from services.gateway.main import run
     elif args.command == "scheduler":
@@ -73,19 +73,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _without_redis_url(args: list[str]) -> list[str]:
+SECRET_FLAGS = ("--redis-url", "--api-key")  # passed to children in the environment instead
+
+
+def without_secret_flags(args: list[str]) -> list[str]:
+    """The flags to forward to child processes, less those `ps` must not show."""
     out: list[str] = []
     skip = False
     for arg in args:
         if skip:
             skip = False
-            continue
-        if arg == "--redis-url":
+        elif arg in SECRET_FLAGS:
             skip = True
-            continue
-        if arg.startswith("--redis-url="):
-            continue
-        out.append(arg)
+        elif not arg.startswith(tuple(f"{flag}=" for flag in SECRET_FLAGS)):
+            out.append(arg)
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import urllib.error
 import urllib.request
 
 from services.launcher.embedded_redis import EmbeddedRedis
+from shared.bus import redact_url
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,7 @@ class Launcher:
             self._wait_ready()
             print(
                 f"textgen is ready: http://127.0.0.1:{self.settings.port} "
-                f"(model {self.settings.model_id}, redis {url})",
+                f"(model {self.settings.model_id}, redis {redact_url(url)})",
                 flush=True,
             )
             return self._watch()
@@ -76,11 +78,12 @@ class Launcher:
             "services.launcher.cli",
             name,
             *self.forwarded_args,
-            "--redis-url",
-            redis_url,
         ]
+        env = {**os.environ, "REDIS_URL": redis_url}  # secrets in the environment, not in `ps`
+        if self.settings.api_key:
+            env["API_KEY"] = self.settings.api_key
         self.children[name] = subprocess.Popen(
-            command, start_new_session=True, preexec_fn=_die_with_parent
+            command, env=env, start_new_session=True, preexec_fn=_die_with_parent
         )
         log.info("started %s (pid %d)", name, self.children[name].pid)
 

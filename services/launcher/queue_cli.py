@@ -22,7 +22,8 @@ from typing import Any
 import redis
 
 from services.launcher.queue_view import GroupView, QueueSnapshot, QueueView, RequestState
-from shared.settings import Settings
+from shared.bus import redact_url
+from shared.settings import Settings, describe_invalid
 
 CONFIRM_TIMEOUT_S = 5.0  # drain/undrain wait this long for the scheduler to report the change
 
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = Settings(**explicit)
     except ValueError as exc:
-        print(f"textgen queue: invalid settings: {exc}", file=sys.stderr)
+        print(f"textgen queue: invalid settings: {describe_invalid(exc)}", file=sys.stderr)
         return 2
     if not settings.redis_url:
         print("textgen queue: no Redis: pass --redis-url or set REDIS_URL", file=sys.stderr)
@@ -77,7 +78,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             show_snapshot(view.snapshot(), as_json)
     except redis.ConnectionError as exc:
-        print(f"textgen queue: Redis unreachable at {settings.redis_url}: {exc}", file=sys.stderr)
+        print(
+            f"textgen queue: Redis unreachable at {redact_url(settings.redis_url)}: {exc}",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         pass

@@ -106,6 +106,8 @@ def test_launch_serves_the_readme_curl_and_stops_on_sigterm(launched):
     assert f"http://127.0.0.1:{port}" in ready
     pids = children_of(process.pid)
     assert len(pids) >= 4  # redis-server, worker, scheduler, gateway
+    for pid in pids:  # secrets travel in the environment, never on a command line
+        assert b"--redis-url" not in Path(f"/proc/{pid}/cmdline").read_bytes()
     # the README's example, through curl
     body = json.dumps({"inputs": "Once upon a time", "parameters": {"max_new_tokens": 40}})
     out = subprocess.run(
