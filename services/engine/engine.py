@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +15,7 @@ from services.scheduler.request import SchedRequest
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.worker.kv_cache import PagedKVCache, default_budget, plan_num_blocks
 from services.worker.loader import LoadedModel, load_model
-from services.worker.runner import ModelRunner
+from services.worker.runner import ModelRunner, StepOutcome
 from shared.messages import FinishReason, GenerateRequest, SamplingParams, StoppingParams
 
 
@@ -50,6 +51,7 @@ class Engine:
         max_batch_prefill_tokens: int = 4096,
         max_batch_size: int = 256,
         enable_prefix_caching: bool = True,
+        steps_in_flight: int = 2,
         dtype: str = "auto",
         device: str | None = None,
     ) -> None:
@@ -81,6 +83,8 @@ class Engine:
             clock=time.time,
         )
         self.stats = EngineStats()
+        self.steps_in_flight = steps_in_flight
+        self._in_flight: deque[StepOutcome] = deque()
         self._tokenizer: Any = None
         self._ids = itertools.count()
         self._outputs: dict[str, list[int]] = {}
@@ -118,14 +122,24 @@ class Engine:
         return request_id
 
     def step(self) -> bool:
-        """Run one step; False when nothing is left to do."""
-        plan = self.scheduler.schedule()
-        self._take_ended()
-        if plan is None:
+        """Plan and run one step, and answer the oldest one once `steps_in_flight` are out
+        (2: step N+1 is planned before the scheduler hears of step N, as the services do);
+        False when nothing is left to do."""
+        plan = None
+        if len(self._in_flight) < self.steps_in_flight:
+            plan = self.scheduler.schedule()
+            self._take_ended()
+        if plan is not None:
+            self._in_flight.append(self.runner.execute(plan))
+            self.stats.num_steps += 1
+            self.stats.step_sizes.append(len(plan.new_requests) + len(plan.running))
+        if not self._in_flight:
             return False
-        outcome = self.runner.execute(plan)
-        self.stats.num_steps += 1
-        self.stats.step_sizes.append(len(plan.new_requests) + len(plan.running))
+        if plan is None or len(self._in_flight) >= self.steps_in_flight:
+            self._answer(self._in_flight.popleft())
+        return True
+
+    def _answer(self, outcome: StepOutcome) -> None:
         for events in outcome.events.values():
             for event in events:
                 self._outputs[event.request_id].extend(event.token_ids)
@@ -136,7 +150,6 @@ class Engine:
                     self._errors[event.request_id] = event.error
         self.scheduler.update(outcome.result)
         self._take_ended()
-        return True
 
     def _take_ended(self) -> None:
         for ended in self.scheduler.take_ended():

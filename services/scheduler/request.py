@@ -33,6 +33,7 @@ class SchedRequest:
     token_ids: list[int] = field(default_factory=list)  # prompt + generated so far
     num_prompt_tokens: int = 0  # len(message.input_ids)
     num_computed_tokens: int = 0  # tokens whose KV is in the worker's cache (as planned)
+    num_inflight_samples: int = 0  # tokens being sampled by steps sent but not answered yet
     block_ids: list[int] = field(default_factory=list)  # block table
     status: RequestStatus = RequestStatus.WAITING
     is_on_worker: bool = False  # the worker holds its state (sent as NewRequest)
@@ -64,8 +65,14 @@ class SchedRequest:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens known here plus those the worker samples in steps not answered yet (it
+        holds them already, so the next step can compute them: overlapped scheduling)."""
+        return len(self.token_ids) + self.num_inflight_samples
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_known_tokens - self.num_computed_tokens
 
     @property
     def sort_key(self) -> tuple[int, int]:

@@ -70,7 +70,8 @@ class Scheduler:
         self._next_step_id = 0
         self._num_arrivals = 0
         self._is_first_plan = True
-        self._step_request_ids: dict[int, list[str]] = {}  # plans awaiting their result
+        # plans awaiting their result: (request_id, samples, tokens computed through the step)
+        self._step_requests: dict[int, list[tuple[str, bool, int]]] = {}
 
     # --- inputs --------------------------------------------------------------------------
 
@@ -105,21 +106,27 @@ class Scheduler:
 
     def update(self, result: StepResult) -> None:
         """Apply the worker's answer to a plan."""
-        scheduled_ids = self._step_request_ids.pop(result.step_id, [])
+        scheduled = self._step_requests.pop(result.step_id, [])
+        for request_id, samples, _ in scheduled:
+            request = self.requests.get(request_id)
+            if request is not None and samples:
+                request.num_inflight_samples -= 1
         if result.error:
             # the worker already told the gateways; end every request of the step
             log.error("step %d failed on the worker: %s", result.step_id, result.error)
-            for request_id in scheduled_ids:
+            for request_id, _, _ in scheduled:
                 request = self.requests.get(request_id)
                 if request is not None:
                     self._end(request, RequestStatus.FAILED, is_on_worker_done=True)
             return
+        computed_by_id = {request_id: computed for request_id, _, computed in scheduled}
         for output in result.outputs:
             request = self.requests.get(output.request_id)
             if request is None:
-                continue  # aborted while the step ran
-            self._register_computed_blocks(request)  # computed now: shareable
+                continue  # aborted (or finished in an earlier step) while the step ran
             request.token_ids.extend(output.token_ids)
+            if request.status == RequestStatus.RUNNING:  # computed now: shareable
+                self._register_computed_blocks(request, computed_by_id.get(request.request_id, 0))
             if output.finish_reason is not None:
                 self._end(request, RequestStatus.FINISHED, is_on_worker_done=True)
 
@@ -174,6 +181,8 @@ class Scheduler:
     ) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
             request = self.waiting[0]
+            if request.num_inflight_samples:
+                break  # preempted with a step in flight: re-admit once its token is known
             if self.blocks.num_blocks_for(len(request.token_ids) + 1) > self.blocks.num_blocks:
                 capacity = self.blocks.num_blocks * self.blocks.block_size
                 request.error = (
@@ -216,9 +225,9 @@ class Scheduler:
         hashes = block_hashes(request.token_ids, self.blocks.block_size, num_full)
         return self.blocks.cached_prefix(hashes)
 
-    def _register_computed_blocks(self, request: SchedRequest) -> None:
-        """Put the request's newly computed full blocks in the prefix cache."""
-        num_full = request.num_computed_tokens // self.blocks.block_size
+    def _register_computed_blocks(self, request: SchedRequest, num_computed: int) -> None:
+        """Put the request's full blocks computed by an answered step in the prefix cache."""
+        num_full = min(num_computed, request.num_computed_tokens) // self.blocks.block_size
         if num_full <= request.num_hashed_blocks or not self.config.enable_prefix_caching:
             return
         hashes = block_hashes(request.token_ids, self.blocks.block_size, num_full)
@@ -259,11 +268,13 @@ class Scheduler:
         new_requests: list[NewRequest] = []
         running: list[RunningRequest] = []
         num_decodes = num_prefill_tokens = 0
+        step_requests = []
         for request, num_tokens, new_block_ids in scheduled:
-            is_prompt_chunk = request.num_computed_tokens < len(request.token_ids) - 1
-            if is_prompt_chunk:
+            num_known = request.num_known_tokens
+            samples = request.num_computed_tokens + num_tokens == num_known
+            if request.num_computed_tokens < num_known - 1:  # a prompt (or recompute) chunk
                 num_prefill_tokens += num_tokens
-                if request.num_computed_tokens + num_tokens < len(request.token_ids):
+                if not samples:
                     self.counters.num_prefill_chunks += 1
             else:
                 num_decodes += 1
@@ -279,6 +290,8 @@ class Scheduler:
                 new_requests.append(self._new_request(request, num_tokens))
                 request.is_on_worker = True
             request.num_computed_tokens += num_tokens
+            request.num_inflight_samples += samples
+            step_requests.append((request.request_id, samples, request.num_computed_tokens))
         if num_decodes and num_prefill_tokens:
             self.counters.num_mixed_steps += 1
         self.counters.num_steps += 1
@@ -292,7 +305,7 @@ class Scheduler:
             sent_at=self.clock(),
         )
         self._released_ids = []
-        self._step_request_ids[plan.step_id] = [r.request_id for r, _, _ in scheduled]
+        self._step_requests[plan.step_id] = step_requests
         self._next_step_id += 1
         self._is_first_plan = False
         return plan

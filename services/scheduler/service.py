@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 
 import msgspec
 import redis.asyncio as aioredis
@@ -51,6 +52,7 @@ STEPS_MAXLEN = 1000
 STATS_INTERVAL_S = 0.25
 DRAIN_CHECK_INTERVAL_S = 0.5  # how often the drain key ({ns}:group:{g}:drain) is read
 RESULT_WARN_S = 30.0
+STEPS_IN_FLIGHT = 2  # plans sent before the oldest result is awaited (overlapped scheduling)
 WORKER_CHECK_INTERVAL_S = 1.0  # how often an idle loop checks its worker's heartbeat
 CLAIM_INTERVAL_S = 1.0  # how often abandoned requests are looked for
 KEEP_FRESH_INTERVAL_S = 1.0  # how often held requests' idle times are reset
@@ -78,6 +80,8 @@ class SchedulerService:
         self.draining = False
         self.stop_at: float | None = None  # unix s; set by request_stop()
         self._results_last_id = b"0-0"
+        self._in_flight: deque[tuple[int, float]] = deque()  # (step_id, perf_counter sent)
+        self._results: dict[int, StepResult] = {}  # read ahead of their turn
         self._worker: WorkerReady = WorkerReady(
             group="", model_id="", num_blocks=0, block_size=0, max_batch_size=0, max_model_len=0
         )
@@ -148,6 +152,8 @@ class SchedulerService:
             await ensure_group(self.redis, lane, SCHEDULER_GROUP)
         await self.redis.delete(self.channels.results(self.group))
         self._results_last_id = b"0-0"
+        self._in_flight.clear()
+        self._results.clear()
         self._worker = ready
         self.scheduler = Scheduler(config, clock=time.time)  # its first plan resets the worker
         self.metrics.kv_blocks.set(ready.num_blocks)
@@ -200,11 +206,13 @@ class SchedulerService:
             await self._pull(block=scheduler.num_unfinished == 0)
             self._apply_aborts()
             scheduler.expire()
-            plan = scheduler.schedule()
+            # overlapped scheduling: plan step N+1 while the worker runs step N
+            plan = scheduler.schedule() if len(self._in_flight) < STEPS_IN_FLIGHT else None
             await self._finish_ended()
             if plan is not None:
-                result = await self._run_step(plan)
-                scheduler.update(result)
+                await self._send_plan(plan)
+            if self._in_flight and (plan is None or len(self._in_flight) >= STEPS_IN_FLIGHT):
+                scheduler.update(await self._await_oldest_result())
                 await self._finish_ended()
             await self._publish_stats()
 
@@ -335,8 +343,9 @@ class SchedulerService:
             except REDIS_ERRORS as exc:
                 log.debug("could not refresh held entries: %s", exc)
 
-    async def _run_step(self, plan: StepPlan) -> StepResult:
-        started = time.perf_counter()
+    async def _send_plan(self, plan: StepPlan) -> None:
+        """XADD a plan for the worker; its result is awaited later (_await_result)."""
+        self._in_flight.append((plan.step_id, time.perf_counter()))
         await self.redis.xadd(
             self.channels.steps(self.group),
             stream_fields(plan),
@@ -349,25 +358,30 @@ class SchedulerService:
             sum(r.num_scheduled_tokens for r in plan.new_requests)
             + sum(r.num_scheduled_tokens for r in plan.running)
         )
+
+    async def _await_oldest_result(self) -> StepResult:
+        """The result of the oldest plan in flight (results arrive in plan order; a read may
+        bring several, kept until their turn)."""
+        step_id, sent_at = self._in_flight.popleft()
         results = self.channels.results(self.group)
         waited = 0.0
-        while True:
+        while step_id not in self._results:
             entries = await read_stream(
                 self.redis, results, self._results_last_id, StepResult, block_ms=1000
             )
             for entry_id, result in entries:
                 self._results_last_id = entry_id
-                if result.step_id == plan.step_id:
-                    self.metrics.step_round_trip.observe(time.perf_counter() - started)
-                    return result
+                self._results[result.step_id] = result
             if not entries:
                 await self._check_worker(force=True)
                 if self.stop_at is not None and time.time() >= self.stop_at:
-                    log.warning("stopping without the result of step %d", plan.step_id)
-                    return StepResult(step_id=plan.step_id)  # its requests are handed back
+                    log.warning("stopping without the result of step %d", step_id)
+                    return StepResult(step_id=step_id)  # its requests are handed back
                 waited += 1.0
                 if waited % RESULT_WARN_S == 0:
-                    log.warning("no result for step %d after %.0f s", plan.step_id, waited)
+                    log.warning("no result for step %d after %.0f s", step_id, waited)
+        self.metrics.step_round_trip.observe(time.perf_counter() - sent_at)
+        return self._results.pop(step_id)
 
     async def _finish_ended(self) -> None:
         """Acknowledge ended requests; tell gateways about the ones the scheduler failed."""

@@ -97,8 +97,8 @@ class ModelRunner:
             scheduled.append(state)
         for running in plan.running:
             state = self.requests.get(running.request_id)
-            if state is None:
-                log.warning("plan %d names unknown request %s", plan.step_id, running.request_id)
+            if state is None:  # it finished in the previous step (overlapped scheduling)
+                log.debug("plan %d names finished request %s", plan.step_id, running.request_id)
                 continue
             state.block_ids.extend(running.new_block_ids)
             state.num_scheduled_tokens = running.num_scheduled_tokens

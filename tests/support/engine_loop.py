@@ -34,6 +34,7 @@ class EngineLoop(Engine):
         block_size: int = 16,
         max_batch_prefill_tokens: int = 4096,
         max_batch_size: int = 256,
+        steps_in_flight: int = 2,
     ) -> None:
         super().__init__(
             loaded,
@@ -41,6 +42,7 @@ class EngineLoop(Engine):
             block_size=block_size,
             max_batch_prefill_tokens=max_batch_prefill_tokens,
             max_batch_size=max_batch_size,
+            steps_in_flight=steps_in_flight,
         )
         self.tokens = self._outputs
         self.step_sizes = self.stats.step_sizes

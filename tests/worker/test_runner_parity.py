@@ -49,11 +49,14 @@ def test_single_request_matches_generate(loaded_tiny, tiny_llama):
     assert engine.scheduler.blocks.num_free_blocks == 64
 
 
-def test_busy_batch_with_chunked_prefill_matches_generate(loaded_tiny, tiny_llama):
+@pytest.mark.parametrize("steps_in_flight", [1, 2])
+def test_busy_batch_with_chunked_prefill_matches_generate(loaded_tiny, tiny_llama, steps_in_flight):
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa")
-    engine = EngineLoop(loaded_tiny, num_blocks=200, max_batch_prefill_tokens=64)
+    engine = EngineLoop(
+        loaded_tiny, num_blocks=200, max_batch_prefill_tokens=64, steps_in_flight=steps_in_flight
+    )
     requests = [make_request(p, max_new_tokens=8 + (i * 5) % 20) for i, p in enumerate(prompts(12))]
     for request in requests[:6]:
         engine.add(request)
@@ -79,11 +82,13 @@ def test_busy_batch_with_chunked_prefill_matches_generate(loaded_tiny, tiny_llam
     assert engine.scheduler.blocks.num_free_blocks == 200
 
 
-def test_preemption_recomputes_exactly(loaded_tiny, tiny_llama):
+@pytest.mark.parametrize("steps_in_flight", [1, 2])
+def test_preemption_recomputes_exactly(loaded_tiny, tiny_llama, steps_in_flight):
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa")
-    engine = EngineLoop(loaded_tiny, num_blocks=12, block_size=8)  # 96 slots: forces preemption
+    # 96 slots: forces preemption
+    engine = EngineLoop(loaded_tiny, num_blocks=12, block_size=8, steps_in_flight=steps_in_flight)
     # each fits alone (<= 40 + 30 tokens), two at once do not
     requests = [make_request(p[:40], max_new_tokens=30) for p in prompts(4)]
     for request in requests:
