@@ -1,102 +1,194 @@
-"""`textgen bench`: tokens/s of the server against transformers' generate, in one run.
+"""`textgen bench`: latency and throughput of the server under load, streamed.
 
-Sends a mixed workload of concurrent /generate requests (greedy) to a running server (--url,
-else a `textgen launch` it starts itself on a free port), then runs transformers' generate on
-the same prompts, sequentially and as one padded batch, and prints the ratios. Greedy outputs of
-the server and of the sequential reference are compared token for token.
-"""
+Every request goes to /generate_stream (SSE, greedy), so each one yields its time to first
+token, its inter-token latencies and its end-to-end latency (services.bench.timeline). Levels
+run one after another on the same workload: a closed-loop concurrency sweep (`--concurrency`:
+that many requests in flight until `--num-requests` are done) and open-loop Poisson arrivals
+(`--request-rate`). The workload is synthetic (seeded prompt/output lengths, prompts built
+from words against the model's tokenizer) or a JSON-lines `--dataset`.
+
+Optional baselines on the same prompts: transformers' generate (`--compare-transformers`,
+sequentially and as one static batch; greedy outputs compared token for token) and the
+in-process engine (`--compare-inprocess`). The server is `--url`, else a `textgen launch` the
+bench starts on a free port."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
-import time
+from pathlib import Path
+from typing import Any
 
-import httpx
-
-from services.bench.http_load import run_load
-from services.bench.reference import run_batched, run_sequential
-from services.bench.workload import mixed_workload
+from services.bench.arrivals import poisson_arrivals
+from services.bench.client import LevelRun, run_closed_loop, run_open_loop
+from services.bench.inprocess import run_inprocess
+from services.bench.plot import MISSING, can_plot, plot
+from services.bench.progress import Progress
+from services.bench.report import add_ratios, format_table, level_metrics
+from services.bench.server import server
+from services.bench.workload import (
+    Case,
+    dataset_workload,
+    parse_range,
+    synthetic_workload,
+    tokenizer_counter,
+)
 from shared.model_files import eos_token_ids, resolve_model_dir
-from shared.net import free_port
+
+DEFAULT_CONCURRENCY = "1,4,16,32"
+
+
+def _ints(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,4,16, got {text!r}")
+    return values
+
+
+def _rates(text: str) -> list[float]:
+    values = [float(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive rates like 2,8, got {text!r}")
+    return values
+
+
+def _range(text: str) -> tuple[int, int]:
+    try:
+        return parse_range(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def add_bench_flags(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--model-id", required=True, help="model folder or hub id")
     parser.add_argument("--url", help="a running server; default: launch one")
-    parser.add_argument("--num-requests", type=int, default=16)
-    parser.add_argument("--min-new-tokens", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def _launch(model_id: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.launcher.cli",
-            "launch",
-            "--model-id",
-            model_id,
-            "--port",
-            str(port),
-            "--log-level",
-            "WARNING",
-        ],
+    parser.add_argument("--num-requests", type=int, default=32, help="requests per level")
+    parser.add_argument(
+        "--concurrency",
+        type=_ints,
+        help=f"closed-loop levels, e.g. 1,4,16 (default {DEFAULT_CONCURRENCY} "
+        "unless --request-rate is given)",
     )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit("textgen launch exited before it was ready")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("textgen launch was not ready in 600 s")
+    parser.add_argument(
+        "--request-rate", type=_rates, help="open-loop Poisson levels in requests/s, e.g. 2,8"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="workload and arrival times")
+    parser.add_argument(
+        "--input-len-range", type=_range, default=(32, 256), help="prompt tokens LOW:HIGH"
+    )
+    parser.add_argument(
+        "--output-len-range", type=_range, default=(16, 128), help="max_new_tokens LOW:HIGH"
+    )
+    parser.add_argument(
+        "--dataset",
+        type=Path,
+        help='JSON lines of {"prompt": ..., "max_new_tokens": ...} instead of synthetic prompts',
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", type=Path, metavar="FILE.png", help="needs matplotlib")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument(
+        "--compare-transformers",
+        action="store_true",
+        help="transformers generate on the same prompts (sequential and one static batch)",
+    )
+    parser.add_argument(
+        "--compare-inprocess", action="store_true", help="the in-process engine, when present"
+    )
+
+
+def build_workload(args: argparse.Namespace, model_dir: Path) -> tuple[list[Case], str]:
+    """The cases and a one-line description of them."""
+    if args.dataset is not None:
+        cases = dataset_workload(args.dataset, args.num_requests, args.output_len_range[1])
+        return cases, f"{args.dataset} ({len(cases)} requests)"
+    cases = synthetic_workload(
+        args.num_requests,
+        args.input_len_range,
+        args.output_len_range,
+        tokenizer_counter(model_dir),
+        args.seed,
+    )
+    (in_low, in_high), (out_low, out_high) = args.input_len_range, args.output_len_range
+    return cases, (
+        f"synthetic seed={args.seed} input {in_low}:{in_high} output {out_low}:{out_high} "
+        f"({len(cases)} requests)"
+    )
+
+
+def run_levels(url: str, cases: list[Case], args: argparse.Namespace) -> list[LevelRun]:
+    concurrency = args.concurrency
+    if concurrency is None and args.request_rate is None:
+        concurrency = _ints(DEFAULT_CONCURRENCY)
+    show = not args.no_progress
+    runs = []
+    asyncio.run(run_closed_loop(url, cases[:2], 2))  # warm-up, not reported
+    for level in concurrency or []:
+        bar = Progress(f"c={level}", len(cases)) if show else None
+        runs.append(
+            asyncio.run(run_closed_loop(url, cases, level, bar.advance if bar else lambda: None))
+        )
+        if bar:
+            bar.close()
+    for rate in args.request_rate or []:
+        bar = Progress(f"rate={rate:g}/s", len(cases)) if show else None
+        send_times = poisson_arrivals(len(cases), rate, args.seed)
+        on_done = bar.advance if bar else lambda: None
+        runs.append(asyncio.run(run_open_loop(url, cases, rate, send_times, on_done)))
+        if bar:
+            bar.close()
+    return runs
+
+
+def compare_transformers(
+    model_dir: Path, cases: list[Case], first: LevelRun | None
+) -> dict[str, dict[str, Any]]:
+    from services.bench.reference import run_batched, run_sequential
+
+    eos = eos_token_ids(model_dir)
+    sequential = run_sequential(str(model_dir), cases, eos)
+    batched = run_batched(str(model_dir), cases, eos)
+    out: dict[str, dict[str, Any]] = {}
+    for name, result in (("hf_sequential", sequential), ("hf_batched", batched)):
+        out[name] = {
+            "tokens_per_s": round(result.tokens_per_s, 1),
+            "generated_tokens": result.num_generated_tokens,
+            "wall_s": round(result.wall_s, 3),
+        }
+    if first is not None:
+        server_ids = [r.token_ids for r in first.records]
+        matches = sum(a == b for a, b in zip(server_ids, sequential.token_ids))
+        out["hf_sequential"]["greedy_equal"] = f"{matches}/{len(cases)}"
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
-    cases = mixed_workload(args.num_requests, args.min_new_tokens, args.max_new_tokens)
-    folder = resolve_model_dir(args.model_id)
-    eos = eos_token_ids(folder)
-    process = None
-    url = args.url
-    if url is None:
-        process, url = _launch(str(folder))
-    try:
-        asyncio.run(run_load(url, cases[:2]))  # warm-up
-        server = asyncio.run(run_load(url, cases))
-    finally:
-        if process is not None:
-            process.terminate()
-            process.wait(timeout=30)
-    sequential = run_sequential(str(folder), cases, eos)
-    batched = run_batched(str(folder), cases, eos)
-    matches = sum(a == b for a, b in zip(server.token_ids, sequential.token_ids))
-    report = {
+    if args.plot is not None and not can_plot():
+        print(MISSING, file=sys.stderr)
+        return 2
+    model_dir = resolve_model_dir(args.model_id)
+    cases, workload = build_workload(args, model_dir)
+    with server(args.url, str(model_dir)) as url:
+        runs = run_levels(url, cases, args)
+    report: dict[str, Any] = {
         "model": args.model_id,
-        "num_requests": len(cases),
-        "server_tokens_per_s": round(server.tokens_per_s, 1),
-        "server_generated_tokens": server.num_generated_tokens,
-        "server_wall_s": round(server.wall_s, 3),
-        "server_p50_latency_s": round(sorted(server.latencies_s)[len(cases) // 2], 3),
-        "hf_sequential_tokens_per_s": round(sequential.tokens_per_s, 1),
-        "hf_batched_tokens_per_s": round(batched.tokens_per_s, 1),
-        "ratio_vs_hf_sequential": round(server.tokens_per_s / sequential.tokens_per_s, 2),
-        "ratio_vs_hf_batched": round(server.tokens_per_s / batched.tokens_per_s, 2),
-        "greedy_outputs_equal_to_hf": f"{matches}/{len(cases)}",
+        "url": args.url or "launched",
+        "workload": workload,
+        "levels": [level_metrics(r) for r in runs],
+        "baselines": {},
     }
-    if args.json:
-        print(json.dumps(report))
-    else:
-        for key, value in report.items():
-            print(f"{key:32s} {value}")
-    return 0
+    if args.compare_transformers:
+        report["baselines"].update(
+            compare_transformers(model_dir, cases, runs[0] if runs else None)
+        )
+    if args.compare_inprocess:
+        report["baselines"]["inprocess"] = run_inprocess(model_dir, cases)
+    add_ratios(report)
+    if args.plot is not None:
+        plot(report, args.plot)
+    print(json.dumps(report) if args.json else format_table(report))
+    return 0 if all(level["num_failed"] == 0 for level in report["levels"]) else 1

@@ -1,0 +1,52 @@
+"""`--compare-inprocess`: the same prompts through the in-process engine (scheduler and runner
+by direct calls, no Redis, no HTTP), all queued at once: the broker path's ceiling.
+
+The engine is another service's package, so it is looked up by name at run time and only
+when asked for: no import statement names it (services import `shared` only), and the bench
+keeps working, answering "not available yet", wherever it is absent."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import time
+from pathlib import Path
+from typing import Any
+
+from services.bench.workload import Case
+
+ENGINE_MODULE = "services.engine"
+
+
+def find_engine() -> Any | None:
+    """The `Engine` class when services.engine provides one, else None."""
+    try:
+        if importlib.util.find_spec(ENGINE_MODULE) is None:
+            return None
+    except ModuleNotFoundError:
+        return None
+    return getattr(importlib.import_module(ENGINE_MODULE), "Engine", None)
+
+
+def run_inprocess(model_dir: Path, cases: list[Case]) -> dict[str, Any]:
+    """{"available": False, "message"} without an engine; else its tokens/s on `cases`."""
+    engine_class = find_engine()
+    if engine_class is None:
+        return {"available": False, "message": "in-process engine not available yet"}
+    engine = engine_class(str(model_dir))
+    tokenized = [engine.tokenizer.encode(case.prompt).ids for case in cases]
+    engine.add(tokenized[0], 2)  # warm-up: first forward pass outside the timing
+    engine.run()
+    before = engine.stats.num_generated_tokens
+    started = time.perf_counter()
+    for ids, case in zip(tokenized, cases, strict=True):
+        engine.add(ids, case.max_new_tokens)
+    engine.run()
+    wall_s = time.perf_counter() - started
+    num_tokens = engine.stats.num_generated_tokens - before
+    return {
+        "available": True,
+        "tokens_per_s": round(num_tokens / wall_s, 1),
+        "generated_tokens": num_tokens,
+        "wall_s": round(wall_s, 3),
+    }

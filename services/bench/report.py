@@ -1,0 +1,93 @@
+"""Metrics of each level (from services.bench.client's LevelRun) as one JSON-ready dict, and
+the text table printed to stdout.
+
+Definitions: TTFT = first token event - send; ITL = gaps between consecutive token events,
+pooled over every request of the level; E2E = last event - send; TPOT = (last token - first
+token) / (tokens - 1) per request. Throughputs divide by the level's wall time (first send to
+last answer); only successful requests count toward latencies and tokens."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from services.bench.client import LevelRun
+from services.bench.stats import Summary
+
+
+def level_metrics(run: LevelRun) -> dict[str, Any]:
+    ok = [r for r in run.records if r.is_ok]
+    num_tokens = sum(r.num_tokens for r in ok)
+    errors = sorted({r.error or "no tokens" for r in run.records if not r.is_ok})
+    return {
+        "mode": run.mode,
+        "value": run.value,
+        "num_requests": len(run.records),
+        "num_completed": len(ok),
+        "num_failed": len(run.records) - len(ok),
+        "errors": errors[:5],
+        "wall_s": round(run.wall_s, 3),
+        "output_tokens": num_tokens,
+        "request_throughput": round(len(ok) / run.wall_s, 3),  # completed requests/s
+        "output_token_throughput": round(num_tokens / run.wall_s, 1),  # tokens/s
+        "ttft": Summary.of([r.ttft_s for r in ok]).as_ms(),
+        "itl": Summary.of([gap for r in ok for gap in r.itls_s]).as_ms(),
+        "tpot": Summary.of([t for r in ok if (t := r.tpot_s) is not None]).as_ms(),
+        "e2e": Summary.of([r.e2e_s for r in ok]).as_ms(),
+    }
+
+
+def _label(level: dict[str, Any]) -> str:
+    if level["mode"] == "concurrency":
+        return f"c={int(level['value'])}"
+    return f"rate={level['value']:g}/s"
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None or math.isnan(value) else f"{value:.1f}"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """Levels as rows: completed/sent, throughputs, then p50/p90/p99 of TTFT, ITL and E2E in
+    ms; comparisons (when run) under it."""
+    names = [f"{m} p{p}" for m in ("ttft", "itl", "e2e") for p in (50, 90, 99)]
+    head = f"{'level':>10s} {'ok/n':>7s} {'req/s':>7s} {'tok/s':>8s}" + "".join(
+        f" {name:>9s}" for name in names
+    )
+    lines = [f"model {report['model']}  workload {report['workload']}", head]
+    for level in report["levels"]:
+        ok = f"{level['num_completed']}/{level['num_requests']}"
+        row = (
+            f"{_label(level):>10s} {ok:>7s} {level['request_throughput']:7.2f}"
+            f" {level['output_token_throughput']:8.1f}"
+        )
+        for name in ("ttft", "itl", "e2e"):
+            row += "".join(f" {_fmt(level[name][f'p{p}_ms']):>9s}" for p in (50, 90, 99))
+        lines.append(row)
+        lines += [f"{'':>10s} error: {error}" for error in level["errors"]]
+    lines.append("(latencies in ms; tok/s = output tokens per second)")
+    for name, baseline in report.get("baselines", {}).items():
+        lines.append(format_baseline(name, baseline, report["levels"]))
+    return "\n".join(lines)
+
+
+def format_baseline(name: str, baseline: dict[str, Any], levels: list[dict[str, Any]]) -> str:
+    if not baseline.get("available", True):
+        return f"{name}: {baseline['message']}"
+    tokens_per_s = baseline["tokens_per_s"]
+    ratios = "  ".join(
+        f"{_label(level)} x{level['output_token_throughput'] / tokens_per_s:.2f}"
+        for level in levels
+    )
+    extra = f"  greedy equal {baseline['greedy_equal']}" if "greedy_equal" in baseline else ""
+    return f"{name}: {tokens_per_s:.1f} tok/s; server/{name}: {ratios}{extra}"
+
+
+def add_ratios(report: dict[str, Any]) -> None:
+    """Each level's output tokens/s over each baseline's, into the level dicts."""
+    for level in report["levels"]:
+        level["ratio_vs"] = {
+            name: round(level["output_token_throughput"] / baseline["tokens_per_s"], 2)
+            for name, baseline in report.get("baselines", {}).items()
+            if baseline.get("available", True) and baseline["tokens_per_s"] > 0
+        }

@@ -1,0 +1,51 @@
+"""The server under test: `--url` of a running one, or a `textgen launch` child process on a
+free port, stopped when the bench ends."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+
+from shared.net import free_port
+
+
+def wait_healthy(url: str, process: subprocess.Popen | None, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise SystemExit("textgen launch exited before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url} was not healthy in {timeout_s:.0f} s")
+
+
+@contextmanager
+def server(url: str | None, model_id: str, timeout_s: float = 600.0) -> Iterator[str]:
+    """The base URL to load: `url` as given, else a launched server's."""
+    if url is not None:
+        wait_healthy(url, None, 30.0)
+        yield url.rstrip("/")
+        return
+    port = free_port()
+    argv = [sys.executable, "-m", "services.launcher.cli", "launch", "--model-id", model_id]
+    process = subprocess.Popen([*argv, "--port", str(port), "--log-level", "WARNING"])
+    try:
+        launched = f"http://127.0.0.1:{port}"
+        wait_healthy(launched, process, timeout_s)
+        yield launched
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

@@ -1,0 +1,59 @@
+"""`textgen bench` end to end against a live stories260k server it launches itself; the
+optional parts (plot, in-process engine) degrade with a clear message."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.bench import inprocess
+from services.bench.plot import MISSING, can_plot
+from services.launcher.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.integration
+def test_smoke_run_json(stories_model):
+    argv = [sys.executable, "-m", "services.launcher.cli", "bench", "--model-id"]
+    argv += [str(stories_model), "--num-requests", "8", "--concurrency", "1,4", "--json"]
+    argv += ["--input-len-range", "16:64", "--output-len-range", "8:32"]
+    result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "c=4 [" in result.stderr  # the progress bar
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [(level["mode"], level["value"]) for level in report["levels"]] == [
+        ("concurrency", 1),
+        ("concurrency", 4),
+    ]
+    for level in report["levels"]:
+        assert level["num_requests"] == level["num_completed"] == 8
+        assert level["num_failed"] == 0
+        assert level["output_tokens"] > 0
+        assert level["output_token_throughput"] > 0 and level["request_throughput"] > 0
+        assert level["ttft"]["count"] == level["e2e"]["count"] == 8
+        assert level["itl"]["count"] == level["output_tokens"] - 8
+        for name in ("ttft", "itl", "e2e"):
+            summary = level[name]
+            assert 0 <= summary["p50_ms"] <= summary["p90_ms"] <= summary["p99_ms"]
+            assert summary["p99_ms"] <= summary["max_ms"]
+        assert level["ttft"]["p50_ms"] <= level["e2e"]["p50_ms"]
+
+
+def test_inprocess_seam_without_engine(monkeypatch, tmp_path):
+    monkeypatch.setattr(inprocess, "ENGINE_MODULE", "services.no_such_engine")
+    assert inprocess.find_engine() is None
+    answer = inprocess.run_inprocess(tmp_path, [])
+    assert answer == {"available": False, "message": "in-process engine not available yet"}
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(capsys, stories_model, tmp_path):
+    if can_plot():
+        pytest.skip("matplotlib is installed")
+    argv = ["bench", "--model-id", str(stories_model), "--plot", str(tmp_path / "out.png")]
+    assert main(argv) == 2
+    assert MISSING in capsys.readouterr().err
