@@ -23,27 +23,30 @@ TOOLS = {
 }
 
 
-def build_parser(with_tools: bool = True) -> argparse.ArgumentParser:
-    """The whole CLI. Without tools, their sub-commands exist but their modules are not
-    imported: a service starts with nothing loaded that it does not run."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole CLI. A tool's flags (and module) are loaded only when that tool runs (or
+    when no command is named): a command loads nothing it does not run."""
     parser = argparse.ArgumentParser(prog="textgen", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in COMMANDS.items():
         add_settings_flags(commands.add_parser(name, help=help_text, description=help_text))
     bench = commands.add_parser("bench", help=TOOLS["bench"], description=TOOLS["bench"])
     queue = commands.add_parser("queue", help=TOOLS["queue"], description=TOOLS["queue"])
-    if with_tools:
+    if command in (None, "bench"):
         from services.bench.main import add_bench_flags
-        from services.launcher.queue_cli import add_queue_flags
 
         add_bench_flags(bench)
+    if command in (None, "queue"):
+        from services.launcher.queue_cli import add_queue_flags
+
         add_queue_flags(queue)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(with_tools=not (argv and argv[0] in COMMANDS)).parse_args(argv)
+    command = argv[0] if argv and argv[0] in (*COMMANDS, *TOOLS) else None
+    args = build_parser(command).parse_args(argv)
     if args.command == "bench":
         from services.bench.main import run as run_bench
 
