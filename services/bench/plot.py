@@ -35,7 +35,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         twin = top.twinx()
         twin.plot(xs, [x["request_throughput"] for x in levels], "s--", color="gray")
         twin.set_ylabel("requests/s (dashed)")
-        top.set_title(f"{report['model']}: throughput vs {mode}")
+        top.set_title(f"{Path(report['model']).name}: throughput vs {mode}")
         for metric in ("ttft", "itl", "e2e"):
             for p, style in (("p50", "o-"), ("p99", "x:")):
                 values = [x[metric][f"{p}_ms"] for x in levels]
@@ -46,6 +46,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         bottom.legend(fontsize="small", ncol=3)
         for axis in (top, bottom):
             axis.set_xscale("log", base=2)
+            axis.set_xticks(xs, [f"{x:g}" for x in xs])
             axis.grid(True, alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=100)

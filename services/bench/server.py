@@ -28,6 +28,13 @@ def wait_healthy(url: str, process: subprocess.Popen | None, timeout_s: float) -
     raise SystemExit(f"{url} was not healthy in {timeout_s:.0f} s")
 
 
+def _stderr_fd() -> int | None:
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a captured stderr has no descriptor
+        return None
+
+
 @contextmanager
 def server(url: str | None, model_id: str, timeout_s: float = 600.0) -> Iterator[str]:
     """The base URL to load: `url` as given, else a launched server's."""
@@ -37,7 +44,10 @@ def server(url: str | None, model_id: str, timeout_s: float = 600.0) -> Iterator
         return
     port = free_port()
     argv = [sys.executable, "-m", "services.launcher.cli", "launch", "--model-id", model_id]
-    process = subprocess.Popen([*argv, "--port", str(port), "--log-level", "WARNING"])
+    # its output goes to stderr: stdout carries the report (--json must stay parseable)
+    process = subprocess.Popen(
+        [*argv, "--port", str(port), "--log-level", "WARNING"], stdout=_stderr_fd()
+    )
     try:
         launched = f"http://127.0.0.1:{port}"
         wait_healthy(launched, process, timeout_s)

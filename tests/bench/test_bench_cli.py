@@ -25,7 +25,7 @@ def test_smoke_run_json(stories_model):
     result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "c=4 [" in result.stderr  # the progress bar
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = json.loads(result.stdout)  # stdout is the report alone
     assert [(level["mode"], level["value"]) for level in report["levels"]] == [
         ("concurrency", 1),
         ("concurrency", 4),
