@@ -51,6 +51,9 @@ class Settings(BaseSettings):
         30.0, description="seconds SIGTERM lets open streams and running requests finish"
     )
     max_queue_length: int = Field(10_000, description="requests waiting in the stream; 429 beyond")
+    max_queue_wait: float | None = Field(
+        None, description="seconds a request may wait for a worker before a 503 (default: none)"
+    )
 
     # --- gateway ----------------------------------------------------------------------------
     # env TEXTGEN_HOSTNAME, not HOSTNAME: Docker and Kubernetes set HOSTNAME to the container name

@@ -89,6 +89,7 @@ def create_app(settings: Settings) -> FastAPI:
             state.metrics,
             settings.request_timeout,
             settings.max_queue_length,
+            settings.max_queue_wait,
         )
         await state.router.start()
         if not await state.router.wait_subscribed(timeout=2.0):

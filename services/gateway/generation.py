@@ -85,6 +85,18 @@ class DeadlineExceeded(GatewayError):
         )
 
 
+class QueueWaitExceeded(DeadlineExceeded):
+    """No worker group took the request within --max-queue-wait: the system is saturated."""
+
+    def __init__(self, wait_s: float):
+        GatewayError.__init__(
+            self,
+            503,
+            f"Model is overloaded: no worker took the request within {wait_s:g} s",
+            "overloaded",
+        )
+
+
 class KeepAlive:
     """Yielded when nothing happened for `keepalive_s` (SSE sends a comment)."""
 
@@ -163,6 +175,7 @@ class Generator:
         metrics: GatewayMetrics,
         request_timeout: float,
         max_queue_length: int,
+        max_queue_wait: float | None = None,
     ):
         self.client = client
         self.router = router
@@ -171,6 +184,7 @@ class Generator:
         self.metrics = metrics
         self.request_timeout = request_timeout
         self.max_queue_length = max_queue_length
+        self.max_queue_wait = max_queue_wait  # seconds to the first event; None: the deadline
         self._background: set[asyncio.Task] = set()
         self.num_queued = 0  # requests sent and waiting for their first event
         self.num_running = 0  # requests with at least one event
@@ -252,9 +266,19 @@ class Generator:
         self.metrics.max_new_tokens.observe(message.stopping.max_new_tokens)
 
     async def _next_event(
-        self, queue: asyncio.Queue[TokenEvent], deadline: float, keepalive_s: float | None
+        self,
+        queue: asyncio.Queue[TokenEvent],
+        deadline: float,
+        keepalive_s: float | None,
+        queue_deadline: float | None = None,
     ) -> TokenEvent | None:
-        """The next event; None after `keepalive_s` of silence; raises at the deadline."""
+        """The next event; None after `keepalive_s` of silence; raises at the deadline (or at
+        the queue deadline, while the request still waits for a worker)."""
+        if queue_deadline is not None and queue_deadline < deadline:
+            try:
+                return await self._next_event(queue, queue_deadline, keepalive_s)
+            except DeadlineExceeded:
+                raise QueueWaitExceeded(self.max_queue_wait or 0.0) from None
         remaining = deadline - time.time()
         wait = remaining if keepalive_s is None else min(remaining, keepalive_s)
         try:
@@ -280,7 +304,12 @@ class Generator:
         self._count(queued=1)
         try:
             while True:
-                event = await self._next_event(queue, message.deadline, keepalive_s)
+                queue_deadline = (
+                    enqueued_at + self.max_queue_wait
+                    if self.max_queue_wait and scheduled_at is None
+                    else None
+                )
+                event = await self._next_event(queue, message.deadline, keepalive_s, queue_deadline)
                 if event is None:
                     yield KeepAlive()
                     continue

@@ -1,5 +1,6 @@
-"""Priority lanes: with the group full, a high-priority request overtakes the queue, a
-low-priority one waits for the rest, and each lane is first come, first served."""
+"""Admission when the group is full: priority lanes order the queue (a high-priority request
+overtakes it, a low-priority one waits for the rest, each lane first come first served), and a
+request no worker takes within --max-queue-wait fails with a TGI-shaped 503."""
 
 from __future__ import annotations
 
@@ -15,43 +16,78 @@ from tests.support.cluster import Cluster
 pytestmark = pytest.mark.integration
 
 
-def test_lanes_order_the_queue(redis_url, tiny_llama, namespace):
+@pytest.fixture(scope="module")
+def full_cluster(redis_url, tiny_llama):
+    """One group that runs one request at a time."""
     cluster = Cluster(
-        redis_url, namespace, tiny_llama, args=[*CLUSTER_ARGS, "--max-batch-size", "1"]
+        redis_url, "e2e-admission", tiny_llama, args=[*CLUSTER_ARGS, "--max-batch-size", "1"]
     )
     try:
-        url = cluster.start().gateway_urls[0]
-        finished: list[str] = []
-
-        async def send(client, name: str, priority: int | None, max_new_tokens: int):
-            parameters = {"max_new_tokens": max_new_tokens}
-            if priority is not None:
-                parameters["priority"] = priority
-            response = await client.post(
-                f"{url}/generate", json={"inputs": "the cat", "parameters": parameters}
-            )
-            assert response.status_code == 200, response.text
-            finished.append(name)
-
-        async def scenario():
-            async with httpx.AsyncClient(timeout=120) as client:
-                blocker = asyncio.ensure_future(send(client, "blocker", None, 400))
-                while not cluster.stats().get("g0") or cluster.stats()["g0"].num_running == 0:
-                    await asyncio.sleep(0.01)
-                queued = []
-                for name, priority in (
-                    ("normal-1", None),
-                    ("low", -1),
-                    ("normal-2", 0),
-                    ("high", 5),
-                ):
-                    queued.append(asyncio.ensure_future(send(client, name, priority, 3)))
-                    await asyncio.sleep(0.05)  # arrival order
-                await asyncio.gather(blocker, *queued)
-
-        started = time.monotonic()
-        asyncio.run(scenario())
+        yield cluster.start()
     finally:
         cluster.stop()
+
+
+async def wait_running(cluster: Cluster) -> None:
+    while not cluster.stats().get("g0") or cluster.stats()["g0"].num_running == 0:
+        await asyncio.sleep(0.01)
+
+
+def test_lanes_order_the_queue(full_cluster):
+    url = full_cluster.gateway_urls[0]
+    finished: list[str] = []
+
+    async def send(client, name: str, priority: int | None, max_new_tokens: int):
+        parameters = {"max_new_tokens": max_new_tokens}
+        if priority is not None:
+            parameters["priority"] = priority
+        response = await client.post(
+            f"{url}/generate", json={"inputs": "the cat", "parameters": parameters}
+        )
+        assert response.status_code == 200, response.text
+        finished.append(name)
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120) as client:
+            blocker = asyncio.ensure_future(send(client, "blocker", None, 400))
+            await wait_running(full_cluster)
+            queued = []
+            for name, priority in (("normal-1", None), ("low", -1), ("normal-2", 0), ("high", 5)):
+                queued.append(asyncio.ensure_future(send(client, name, priority, 3)))
+                await asyncio.sleep(0.05)  # arrival order
+            await asyncio.gather(blocker, *queued)
+
+    asyncio.run(scenario())
     assert finished == ["blocker", "high", "normal-1", "normal-2", "low"], finished
-    assert time.monotonic() - started < 60
+
+
+def test_queue_wait_deadline_answers_503_and_the_request_never_runs(full_cluster):
+    url = full_cluster.gateway_urls[0]
+    impatient = full_cluster.add_gateway("--max-queue-wait", "0.5")
+    full_cluster.wait_idle()
+    before = full_cluster.stats()["g0"].num_finished
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120) as client:
+            blocker = asyncio.ensure_future(
+                client.post(
+                    f"{url}/generate",
+                    json={"inputs": "the cat", "parameters": {"max_new_tokens": 400}},
+                )
+            )
+            await wait_running(full_cluster)
+            started = time.monotonic()
+            waited = await client.post(
+                f"{impatient}/generate",
+                json={"inputs": "the dog", "parameters": {"max_new_tokens": 3}},
+            )
+            elapsed = time.monotonic() - started
+            await blocker
+            return waited, elapsed
+
+    waited, elapsed = asyncio.run(scenario())
+    assert waited.status_code == 503
+    assert waited.json()["error_type"] == "overloaded"
+    assert 0.5 <= elapsed < 3
+    stats = full_cluster.wait_idle()
+    assert stats["g0"].num_finished - before == 1  # the aborted request never ran
