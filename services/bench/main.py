@@ -66,7 +66,9 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--model-id", required=True, help="model folder or hub id")
     parser.add_argument("--url", help="a running server; default: launch one")
-    parser.add_argument("--num-requests", type=int, default=32, help="requests per level")
+    parser.add_argument(
+        "--num-requests", type=int, default=32, help="requests per level (default 32)"
+    )
     parser.add_argument(
         "--concurrency",
         type=_ints,
@@ -78,10 +80,16 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival times")
     parser.add_argument(
-        "--input-len-range", type=_range, default=(32, 256), help="prompt tokens LOW:HIGH"
+        "--input-len-range",
+        type=_range,
+        default=(32, 256),
+        help="prompt tokens LOW:HIGH (default 32:256)",
     )
     parser.add_argument(
-        "--output-len-range", type=_range, default=(16, 128), help="max_new_tokens LOW:HIGH"
+        "--output-len-range",
+        type=_range,
+        default=(16, 128),
+        help="max_new_tokens LOW:HIGH (default 16:128)",
     )
     parser.add_argument(
         "--dataset",
