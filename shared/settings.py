@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     num_shard: int = Field(1, description="tensor-parallel ranks in the worker group")
     quantize: str | None = None
     trust_remote_code: bool = False
+    fake_step_ms: float | None = Field(
+        None, description="simulate the worker: each step takes this long, no model is loaded"
+    )
 
     @classmethod
     def settings_customise_sources(

@@ -18,7 +18,7 @@ COMMANDS = {
     "worker": "a worker group: the model, its KV cache and sampling",
 }
 TOOLS = {
-    "bench": "tokens/s of the server against transformers' generate on the same prompts",
+    "bench": "latency and throughput of a server (sweeps, Poisson arrivals) vs baselines",
     "queue": "the request stream and the worker groups; drain/undrain a group",
 }
 

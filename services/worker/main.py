@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 
+from services.worker.fake import fake_model
 from services.worker.loader import UnsupportedModel, load_model
 from services.worker.service import WorkerService
 from shared.bus import connect, wait_for_redis
@@ -32,14 +33,17 @@ async def serve(settings: Settings) -> None:
         await ops.start()  # /live answers during a long model download
     redis = connect(settings.redis_url)
     await wait_for_redis(redis)
-    loaded = await asyncio.to_thread(
-        load_model,
-        settings.model_id,
-        settings.revision,
-        settings.dtype,
-        settings.device,
-        settings.trust_remote_code,
-    )
+    if settings.fake_step_ms is not None:  # simulated worker: no weights
+        loaded = await asyncio.to_thread(fake_model, settings.model_id, settings.revision)
+    else:
+        loaded = await asyncio.to_thread(
+            load_model,
+            settings.model_id,
+            settings.revision,
+            settings.dtype,
+            settings.device,
+            settings.trust_remote_code,
+        )
     service = WorkerService(settings, loaded, redis)
     holder.append(service)
     loop = asyncio.get_running_loop()

@@ -13,6 +13,7 @@ import time
 
 import redis.asyncio as aioredis
 
+from services.worker.fake import FakeRunner, vocab_size_of
 from services.worker.kv_cache import PagedKVCache, default_budget, plan_num_blocks
 from services.worker.loader import LoadedModel
 from services.worker.metrics import WorkerMetrics
@@ -46,9 +47,19 @@ class WorkerService:
         num_blocks = plan_num_blocks(loaded.cache_shape, settings.block_size, budget, max_tokens)
         cache = PagedKVCache(loaded.cache_shape, num_blocks, settings.block_size, loaded.device)
         self.metrics.kv_blocks.set(num_blocks)
-        self.runner = ModelRunner(
-            loaded.model, cache, loaded.eos_token_ids, loaded.max_model_len, loaded.device
+        runner_args = (
+            loaded.model,
+            cache,
+            loaded.eos_token_ids,
+            loaded.max_model_len,
+            loaded.device,
         )
+        if settings.fake_step_ms is not None:
+            self.runner: ModelRunner = FakeRunner(
+                *runner_args, step_ms=settings.fake_step_ms, vocab_size=vocab_size_of(loaded.folder)
+            )
+        else:
+            self.runner = ModelRunner(*runner_args)
         self.last_step_id = 0
         self.started_at = time.time()  # identifies this worker's lifetime to its scheduler
         self._ready_bytes = encode(self.ready_message())

@@ -1,0 +1,55 @@
+"""A simulated worker (`--fake-step-ms N`): every step takes N ms and emits deterministic
+tokens, with no model. The scheduler, the KV block accounting, Redis and the gateways run for
+real, so the control plane can be measured alone: N groups with fixed step times show how
+throughput scales with groups."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from services.worker.kv_cache import CacheShape
+from services.worker.loader import LoadedModel
+from services.worker.runner import ModelRunner, PackedBatch
+from shared.model_files import context_length, eos_token_ids, read_json, resolve_model_dir
+
+FAKE_SHAPE = CacheShape(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+
+
+def fake_model(model_id: str, revision: str | None = None) -> LoadedModel:
+    """What the worker needs to know of a model (tokenizer-side facts), without weights."""
+    folder: Path = resolve_model_dir(model_id, revision)
+    return LoadedModel(
+        model=None,  # type: ignore[arg-type]
+        folder=folder,
+        cache_shape=FAKE_SHAPE,
+        eos_token_ids=eos_token_ids(folder),
+        max_model_len=context_length(folder),
+        device=torch.device("cpu"),
+    )
+
+
+class FakeRunner(ModelRunner):
+    """ModelRunner whose forward pass sleeps `step_ms` and favours one non-EOS token per row."""
+
+    def __init__(self, *args, step_ms: float, vocab_size: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.step_s = step_ms / 1000
+        self.vocab_size = vocab_size
+
+    def _forward(self, batch: PackedBatch) -> torch.Tensor:
+        time.sleep(self.step_s)
+        logits = torch.zeros(len(batch.sampling), self.vocab_size)
+        for row, state in enumerate(batch.sampling):
+            token_id = (len(state.token_ids) * 7 + 3) % self.vocab_size
+            while token_id in self.eos_token_ids:
+                token_id = (token_id + 1) % self.vocab_size
+            logits[row, token_id] = 10.0
+        return logits
+
+
+def vocab_size_of(folder: Path) -> int:
+    config = read_json(folder, "config.json")
+    return int(config.get("text_config", config).get("vocab_size", 32000))
