@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.e2e.reference import greedy_ids, tokenizer
 from tests.e2e.test_pipeline import prompt_text
+from tests.support.reference import greedy_ids, tokenizer
 
 pytestmark = pytest.mark.integration
 

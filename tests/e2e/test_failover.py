@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import CLUSTER_ARGS
-from tests.e2e.reference import greedy_ids
 from tests.e2e.test_pipeline import prompt_text
 from tests.support.cluster import Cluster
+from tests.support.reference import greedy_ids
 
 pytestmark = pytest.mark.integration
 CASES = [(prompt_text(i, 3 + (i * 5) % 20), 150 + (i * 37) % 200) for i in range(16)]

@@ -16,8 +16,8 @@ import torch
 from huggingface_hub import InferenceClient
 
 from shared.model_files import eos_token_ids
-from tests.e2e.reference import greedy_ids, reference_model, tokenizer
 from tests.e2e.test_pipeline import prompt_text
+from tests.support.reference import greedy_ids, reference_model, tokenizer
 
 pytestmark = pytest.mark.integration
 EOS = 2  # tiny_llama's

@@ -12,7 +12,7 @@ import json
 import httpx
 import pytest
 
-from tests.e2e.reference import greedy_ids, tokenizer
+from tests.support.reference import greedy_ids, tokenizer
 from tests.support.tiny_models import WORDS
 
 pytestmark = pytest.mark.integration

@@ -11,8 +11,8 @@ import httpx
 import pytest
 import torch
 
-from tests.e2e.reference import greedy_ids, reference_model, tokenizer
 from tests.e2e.test_pipeline import prompt_text, sse_events
+from tests.support.reference import greedy_ids, reference_model, tokenizer
 
 pytestmark = pytest.mark.integration
 

@@ -9,10 +9,8 @@ import httpx
 import pytest
 
 from services.gateway.body import loads_strict
-from services.gateway.tokenizer import TextTokenizer
 from shared.settings import Settings
-from tests.gateway.peer import WorkerPeer
-from tests.gateway.test_server import serve, sse_events
+from tests.support.gateway_server import serve, sse_events
 
 JSON = {"content-type": "application/json"}
 
@@ -27,19 +25,6 @@ def settings(redis_url, namespace, tokenizer_dir) -> Settings:
         max_input_tokens=32,
         payload_limit=4000,
     )
-
-
-@pytest.fixture
-async def peer(redis_url, namespace, tokenizer_dir):
-    async with WorkerPeer(redis_url, namespace, TextTokenizer.from_folder(tokenizer_dir)) as p:
-        yield p
-
-
-@pytest.fixture
-async def http(settings):
-    with serve(settings) as url:
-        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
-            yield client
 
 
 def is_tgi_error(response: httpx.Response, error_type: str = "validation") -> bool:

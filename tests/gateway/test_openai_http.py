@@ -9,39 +9,13 @@ import json
 import shutil
 
 import httpx
-import pytest
 
 from services.gateway.tokenizer import TextTokenizer
-from shared.settings import Settings
-from tests.gateway.peer import CONTINUATION, WorkerPeer
-from tests.gateway.test_server import serve
+from tests.gateway.peer import CONTINUATION
+from tests.support.gateway_server import serve
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 TEMPLATED = "<s>user: Hi\n<s>assistant:"
-
-
-@pytest.fixture
-def settings(redis_url, namespace, tokenizer_dir) -> Settings:
-    return Settings(
-        redis_url=redis_url,
-        namespace=namespace,
-        model_id=str(tokenizer_dir),
-        max_total_tokens=64,
-        max_input_tokens=32,
-    )
-
-
-@pytest.fixture
-async def peer(redis_url, namespace, tokenizer_dir):
-    async with WorkerPeer(redis_url, namespace, TextTokenizer.from_folder(tokenizer_dir)) as p:
-        yield p
-
-
-@pytest.fixture
-async def http(settings):
-    with serve(settings) as url:
-        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
-            yield client
 
 
 def openai_events(text: str) -> list[dict]:

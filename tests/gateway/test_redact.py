@@ -49,7 +49,7 @@ async def test_gateway_never_logs_secrets(tokenizer_dir, caplog):
 
     from shared.net import free_port
     from shared.settings import Settings
-    from tests.gateway.test_server import serve
+    from tests.support.gateway_server import serve
 
     url = f"redis://admin:s3cret@127.0.0.1:{free_port()}/0"
     settings = Settings(redis_url=url, model_id=str(tokenizer_dir), api_key="k3y-s3cret")

@@ -4,78 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import threading
 import time
 
 import httpx
-import pytest
 import redis.asyncio as aioredis
-import uvicorn
 
-from services.gateway.app import create_app
-from services.gateway.tokenizer import TextTokenizer
 from shared.channels import Channels
 from shared.codec import decode, encode
 from shared.messages import AbortRequest, Heartbeat, WorkerReady
+from shared.net import free_port
 from shared.settings import Settings
-from tests.gateway.peer import CONTINUATION, WorkerPeer
-from tests.support.redis_server import free_port
-
-
-@contextlib.contextmanager
-def serve(settings: Settings):
-    """Run the gateway app with uvicorn in a background thread; yield its base URL."""
-    port = free_port()
-    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 10
-    while not server.started and time.time() < deadline:
-        time.sleep(0.01)
-    assert server.started, "uvicorn did not start"
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
-@pytest.fixture
-def settings(redis_url, namespace, tokenizer_dir) -> Settings:
-    return Settings(
-        redis_url=redis_url,
-        namespace=namespace,
-        model_id=str(tokenizer_dir),
-        max_total_tokens=64,
-        max_input_tokens=32,
-    )
-
-
-@pytest.fixture
-def base_url(settings):
-    with serve(settings) as url:
-        yield url
-
-
-@pytest.fixture
-async def peer(redis_url, namespace, tokenizer_dir):
-    async with WorkerPeer(redis_url, namespace, TextTokenizer.from_folder(tokenizer_dir)) as p:
-        yield p
-
-
-@pytest.fixture
-async def http(base_url):
-    async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
-        yield client
-
-
-def sse_events(text: str) -> list[dict]:
-    assert "[DONE]" not in text
-    blocks = [b for b in text.split("\n\n") if b.strip()]
-    assert all(b.startswith("data: ") for b in blocks), blocks
-    return [json.loads(b[len("data: ") :]) for b in blocks]
+from tests.gateway.peer import CONTINUATION
+from tests.support.gateway_server import serve, sse_events
 
 
 async def test_generate_details_and_headers(http, peer):

@@ -7,20 +7,7 @@ import torch
 
 from services.worker.loader import load_model
 from tests.support.engine_loop import EngineLoop, make_request
-
-
-def hf_greedy(model, input_ids: list[int], max_new_tokens: int, eos_token_ids) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    reference = AutoModelForCausalLM.from_pretrained(model, attn_implementation="sdpa")
-    out = reference.generate(
-        torch.tensor([input_ids]),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=eos_token_ids,
-        pad_token_id=0,
-    )
-    return out[0, len(input_ids) :].tolist()
+from tests.support.reference import greedy_continuation, reference_model
 
 
 @pytest.fixture(scope="module")
@@ -43,17 +30,15 @@ def test_single_request_matches_generate(loaded_tiny, tiny_llama):
     request = make_request(prompt, max_new_tokens=24)
     engine.add(request)
     engine.run()
-    assert engine.tokens[request.request_id] == hf_greedy(
-        tiny_llama, prompt, 24, loaded_tiny.eos_token_ids
+    assert engine.tokens[request.request_id] == greedy_continuation(
+        reference_model(tiny_llama), prompt, 24, loaded_tiny.eos_token_ids
     )
     assert engine.scheduler.blocks.num_free_blocks == 64
 
 
 @pytest.mark.parametrize("steps_in_flight", [1, 2])
 def test_busy_batch_with_chunked_prefill_matches_generate(loaded_tiny, tiny_llama, steps_in_flight):
-    from transformers import AutoModelForCausalLM
-
-    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa")
+    reference = reference_model(tiny_llama)
     engine = EngineLoop(
         loaded_tiny, num_blocks=200, max_batch_prefill_tokens=64, steps_in_flight=steps_in_flight
     )
@@ -66,13 +51,9 @@ def test_busy_batch_with_chunked_prefill_matches_generate(loaded_tiny, tiny_llam
         engine.add(request)
     engine.run()
     for request in requests:
-        expected = reference.generate(
-            torch.tensor([request.input_ids]),
-            max_new_tokens=request.stopping.max_new_tokens,
-            do_sample=False,
-            eos_token_id=loaded_tiny.eos_token_ids,
-            pad_token_id=0,
-        )[0, len(request.input_ids) :].tolist()
+        expected = greedy_continuation(
+            reference, request.input_ids, request.stopping.max_new_tokens, loaded_tiny.eos_token_ids
+        )
         assert engine.tokens[request.request_id] == expected, request.request_id
     counters = engine.scheduler.counters
     assert counters.num_prefill_chunks > 0
@@ -84,9 +65,7 @@ def test_busy_batch_with_chunked_prefill_matches_generate(loaded_tiny, tiny_llam
 
 @pytest.mark.parametrize("steps_in_flight", [1, 2])
 def test_preemption_recomputes_exactly(loaded_tiny, tiny_llama, steps_in_flight):
-    from transformers import AutoModelForCausalLM
-
-    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa")
+    reference = reference_model(tiny_llama)
     # 96 slots: forces preemption
     engine = EngineLoop(loaded_tiny, num_blocks=12, block_size=8, steps_in_flight=steps_in_flight)
     # each fits alone (<= 40 + 30 tokens), two at once do not
@@ -96,13 +75,7 @@ def test_preemption_recomputes_exactly(loaded_tiny, tiny_llama, steps_in_flight)
     engine.run()
     assert engine.scheduler.counters.num_preempted > 0
     for request in requests:
-        expected = reference.generate(
-            torch.tensor([request.input_ids]),
-            max_new_tokens=30,
-            do_sample=False,
-            eos_token_id=loaded_tiny.eos_token_ids,
-            pad_token_id=0,
-        )[0, len(request.input_ids) :].tolist()
+        expected = greedy_continuation(reference, request.input_ids, 30, loaded_tiny.eos_token_ids)
         assert engine.tokens[request.request_id] == expected
     assert engine.scheduler.blocks.num_free_blocks == 12
 
@@ -119,9 +92,7 @@ def test_request_larger_than_the_cache_fails_instead_of_waiting(loaded_tiny):
 
 
 def test_prompt_logprobs_match_transformers_across_chunks(loaded_tiny, tiny_llama):
-    from transformers import AutoModelForCausalLM
-
-    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa")
+    reference = reference_model(tiny_llama)
     prompt = prompts(3)[2]  # 79 tokens: three chunks under a 32-token budget
     engine = EngineLoop(loaded_tiny, num_blocks=64, max_batch_prefill_tokens=32)
     request = make_request(prompt, max_new_tokens=2, prefill_logprobs=True)
@@ -152,9 +123,7 @@ def test_prompt_logprobs_match_transformers_across_chunks(loaded_tiny, tiny_llam
 
 
 def test_top_tokens_match_transformers_top_k(loaded_tiny, tiny_llama):
-    from transformers import AutoModelForCausalLM
-
-    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa")
+    reference = reference_model(tiny_llama)
     prompt = prompts(1)[0]
     engine = EngineLoop(loaded_tiny, num_blocks=64)
     request = make_request(prompt, max_new_tokens=1, top_n_tokens=4)
@@ -191,9 +160,7 @@ def test_watermark_makes_sampled_text_green(loaded_tiny):
 
 
 def test_prefix_cache_hits_keep_parity(loaded_tiny, tiny_llama):
-    from transformers import AutoModelForCausalLM
-
-    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa")
+    reference = reference_model(tiny_llama)
     shared = prompts(3)[2][:70]  # 4 full blocks of 16 are shared
     engine = EngineLoop(loaded_tiny, num_blocks=64)
     first = make_request(shared + [7, 8, 9], max_new_tokens=10)
@@ -205,12 +172,6 @@ def test_prefix_cache_hits_keep_parity(loaded_tiny, tiny_llama):
     engine.run()
     assert engine.scheduler.counters.num_cached_tokens == 2 * 64
     for request in [first, *later]:
-        expected = reference.generate(
-            torch.tensor([request.input_ids]),
-            max_new_tokens=10,
-            do_sample=False,
-            eos_token_id=loaded_tiny.eos_token_ids,
-            pad_token_id=0,
-        )[0, len(request.input_ids) :].tolist()
+        expected = greedy_continuation(reference, request.input_ids, 10, loaded_tiny.eos_token_ids)
         assert engine.tokens[request.request_id] == expected
     assert engine.scheduler.blocks.num_free_blocks == 64

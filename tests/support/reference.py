@@ -25,9 +25,17 @@ def tokenizer(folder: Path):
 def greedy_ids(
     folder: Path, prompt: str, max_new_tokens: int, eos_token_ids: list[int]
 ) -> list[int]:
+    """Greedy continuation of a text prompt (tokenized with special tokens, as /generate)."""
     input_ids = tokenizer(folder)(prompt).input_ids
+    return greedy_continuation(reference_model(folder), input_ids, max_new_tokens, eos_token_ids)
+
+
+def greedy_continuation(
+    model, input_ids: list[int], max_new_tokens: int, eos_token_ids: list[int]
+) -> list[int]:
+    """transformers' greedy `generate` after `input_ids`: the generated ids only."""
     with torch.inference_mode():
-        out = reference_model(folder).generate(
+        out = model.generate(
             torch.tensor([input_ids]),
             max_new_tokens=max_new_tokens,
             do_sample=False,
