@@ -13,12 +13,12 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import deque
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from services.scheduler.aborts import AbortListener
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.recovery import (
     Unreadable,
@@ -31,14 +31,12 @@ from services.scheduler.recovery import (
 )
 from services.scheduler.request import RequestStatus, SchedRequest
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
-from shared.bus import REDIS_ERRORS, ensure_group, get_message, read_stream, stream_fields
+from services.scheduler.steps import StepChannel
+from shared.bus import REDIS_ERRORS, ensure_group, get_message, stream_fields
 from shared.channels import SCHEDULER_GROUP, Channels
 from shared.codec import decode, encode
 from shared.messages import (
-    AbortRequest,
     ReplyBatch,
-    StepPlan,
-    StepResult,
     TokenEvent,
     WorkerReady,
 )
@@ -48,11 +46,8 @@ from shared.telemetry import record_span, tracer
 log = logging.getLogger(__name__)
 
 
-STEPS_MAXLEN = 1000
 STATS_INTERVAL_S = 0.25
 DRAIN_CHECK_INTERVAL_S = 0.5  # how often the drain key ({ns}:group:{g}:drain) is read
-RESULT_WARN_S = 30.0
-STEPS_IN_FLIGHT = 2  # plans sent before the oldest result is awaited (overlapped scheduling)
 WORKER_CHECK_INTERVAL_S = 1.0  # how often an idle loop checks its worker's heartbeat
 CLAIM_INTERVAL_S = 1.0  # how often abandoned requests are looked for
 KEEP_FRESH_INTERVAL_S = 1.0  # how often held requests' idle times are reset
@@ -76,12 +71,10 @@ class SchedulerService:
         self.metrics = SchedulerMetrics()
         self.tracer = tracer("textgen.scheduler")
         self.scheduler: Scheduler | None = None
-        self.recent_aborts: dict[str, float] = {}  # request_id -> unix s heard
+        self.aborts = AbortListener(redis, self.channels, settings.request_timeout)
         self.draining = False
         self.stop_at: float | None = None  # unix s; set by request_stop()
-        self._results_last_id = b"0-0"
-        self._in_flight: deque[tuple[int, float]] = deque()  # (step_id, perf_counter sent)
-        self._results: dict[int, StepResult] = {}  # read ahead of their turn
+        self.steps = StepChannel(redis, self.channels, settings.group, self.metrics)
         self._worker: WorkerReady = WorkerReady(
             group="", model_id="", num_blocks=0, block_size=0, max_batch_size=0, max_model_len=0
         )
@@ -108,7 +101,7 @@ class SchedulerService:
         back; a Redis outage drops the session (its requests stay pending in the stream and
         are claimed again) and retries with backoff: nothing here crashes on Redis."""
         tasks = [
-            asyncio.create_task(self._listen_aborts()),
+            asyncio.create_task(self.aborts.run()),
             asyncio.create_task(self._keep_fresh()),
         ]
         backoff = 0.25
@@ -150,10 +143,7 @@ class SchedulerService:
         )
         for lane in self.channels.lanes:
             await ensure_group(self.redis, lane, SCHEDULER_GROUP)
-        await self.redis.delete(self.channels.results(self.group))
-        self._results_last_id = b"0-0"
-        self._in_flight.clear()
-        self._results.clear()
+        await self.steps.reset()
         self._worker = ready
         self.scheduler = Scheduler(config, clock=time.time)  # its first plan resets the worker
         self.metrics.kv_blocks.set(ready.num_blocks)
@@ -207,12 +197,16 @@ class SchedulerService:
             self._apply_aborts()
             scheduler.expire()
             # overlapped scheduling: plan step N+1 while the worker runs step N
-            plan = scheduler.schedule() if len(self._in_flight) < STEPS_IN_FLIGHT else None
+            plan = scheduler.schedule() if self.steps.has_room else None
             await self._finish_ended()
             if plan is not None:
-                await self._send_plan(plan)
-            if self._in_flight and (plan is None or len(self._in_flight) >= STEPS_IN_FLIGHT):
-                scheduler.update(await self._await_oldest_result())
+                await self.steps.send(plan)
+            if self.steps.in_flight and (plan is None or not self.steps.has_room):
+                result = await self.steps.await_oldest(
+                    lambda: self._check_worker(force=True),
+                    lambda: self.stop_at is not None and time.time() >= self.stop_at,
+                )
+                scheduler.update(result)
                 await self._finish_ended()
             await self._publish_stats()
 
@@ -306,7 +300,7 @@ class SchedulerService:
             await dead_letter(self.redis, self.channels, stream, entry_id, fields, str(exc))
             await self._ack([(stream, entry_id)])
             return
-        if message.request_id in self.recent_aborts or (
+        if message.request_id in self.aborts or (
             message.deadline and message.deadline < time.time()
         ):
             await self._ack([(stream, entry_id)])
@@ -342,46 +336,6 @@ class SchedulerService:
                 await keep_fresh(self.redis, self.consumer, entries)
             except REDIS_ERRORS as exc:
                 log.debug("could not refresh held entries: %s", exc)
-
-    async def _send_plan(self, plan: StepPlan) -> None:
-        """XADD a plan for the worker; its result is awaited later (_await_result)."""
-        self._in_flight.append((plan.step_id, time.perf_counter()))
-        await self.redis.xadd(
-            self.channels.steps(self.group),
-            stream_fields(plan),
-            maxlen=STEPS_MAXLEN,
-            approximate=True,
-        )
-        self.metrics.batch_size.observe(len(plan.new_requests) + len(plan.running))
-        self.metrics.admitted.inc(len(plan.new_requests))
-        self.metrics.step_tokens.observe(
-            sum(r.num_scheduled_tokens for r in plan.new_requests)
-            + sum(r.num_scheduled_tokens for r in plan.running)
-        )
-
-    async def _await_oldest_result(self) -> StepResult:
-        """The result of the oldest plan in flight (results arrive in plan order; a read may
-        bring several, kept until their turn)."""
-        step_id, sent_at = self._in_flight.popleft()
-        results = self.channels.results(self.group)
-        waited = 0.0
-        while step_id not in self._results:
-            entries = await read_stream(
-                self.redis, results, self._results_last_id, StepResult, block_ms=1000
-            )
-            for entry_id, result in entries:
-                self._results_last_id = entry_id
-                self._results[result.step_id] = result
-            if not entries:
-                await self._check_worker(force=True)
-                if self.stop_at is not None and time.time() >= self.stop_at:
-                    log.warning("stopping without the result of step %d", step_id)
-                    return StepResult(step_id=step_id)  # its requests are handed back
-                waited += 1.0
-                if waited % RESULT_WARN_S == 0:
-                    log.warning("no result for step %d after %.0f s", step_id, waited)
-        self.metrics.step_round_trip.observe(time.perf_counter() - sent_at)
-        return self._results.pop(step_id)
 
     async def _finish_ended(self) -> None:
         """Acknowledge ended requests; tell gateways about the ones the scheduler failed."""
@@ -445,41 +399,9 @@ class SchedulerService:
     def _apply_aborts(self) -> None:
         scheduler = self.scheduler
         assert scheduler is not None
-        horizon = time.time() - self.settings.request_timeout
-        for request_id, heard_at in list(self.recent_aborts.items()):
-            if heard_at < horizon:
-                del self.recent_aborts[request_id]
-            elif scheduler.abort(request_id):
+        for request_id in self.aborts.recent():
+            if scheduler.abort(request_id):
                 log.debug("aborted %s", request_id)
-
-    async def _listen_aborts(self) -> None:
-        """Background: hear AbortRequests; resubscribe with backoff after a Redis outage."""
-        backoff = 0.25
-        while True:
-            pubsub = self.redis.pubsub()
-            try:
-                await pubsub.subscribe(self.channels.aborts)
-                backoff = 0.25
-                async for message in pubsub.listen():
-                    if message.get("type") == "message":
-                        self._hear_abort(message["data"])
-            except REDIS_ERRORS as exc:
-                log.warning("abort channel lost (%s); resubscribing in %.2f s", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-            finally:
-                try:
-                    await pubsub.aclose()
-                except REDIS_ERRORS:
-                    pass
-
-    def _hear_abort(self, data: bytes) -> None:
-        try:
-            abort = decode(data, AbortRequest)
-        except Exception as exc:  # a poisoned message must not stop the listener
-            log.warning("malformed abort message: %s", exc)
-            return
-        self.recent_aborts[abort.request_id] = time.time()
 
     async def _publish_stats(self) -> None:
         """Throttled while busy; always when idle, so the last state is never stale."""

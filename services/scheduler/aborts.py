@@ -1,0 +1,67 @@
+"""Hearing AbortRequests (gateways publish them on {ns}:aborts when a client goes away, a stop
+string matched or a deadline passed). Every scheduler hears every abort; the one holding the
+request drops it, and the ids are remembered for a while so a request still in the stream is
+dropped when it is pulled."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import redis.asyncio as aioredis
+
+from shared.bus import REDIS_ERRORS
+from shared.channels import Channels
+from shared.codec import decode
+from shared.messages import AbortRequest
+
+log = logging.getLogger(__name__)
+
+
+class AbortListener:
+    def __init__(self, redis: aioredis.Redis, channels: Channels, memory_s: float) -> None:
+        self.redis = redis
+        self.channels = channels
+        self.memory_s = memory_s  # how long an abort is remembered (the request timeout)
+        self.heard: dict[str, float] = {}  # request_id -> unix s heard
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.heard
+
+    def recent(self) -> list[str]:
+        """Ids heard within memory_s (older ones are forgotten)."""
+        horizon = time.time() - self.memory_s
+        for request_id, heard_at in list(self.heard.items()):
+            if heard_at < horizon:
+                del self.heard[request_id]
+        return list(self.heard)
+
+    async def run(self) -> None:
+        """Background: listen; resubscribe with backoff after a Redis outage."""
+        backoff = 0.25
+        while True:
+            pubsub = self.redis.pubsub()
+            try:
+                await pubsub.subscribe(self.channels.aborts)
+                backoff = 0.25
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        self.hear(message["data"])
+            except REDIS_ERRORS as exc:
+                log.warning("abort channel lost (%s); resubscribing in %.2f s", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                try:
+                    await pubsub.aclose()
+                except REDIS_ERRORS:
+                    pass
+
+    def hear(self, data: bytes) -> None:
+        try:
+            abort = decode(data, AbortRequest)
+        except Exception as exc:  # a poisoned message must not stop the listener
+            log.warning("malformed abort message: %s", exc)
+            return
+        self.heard[abort.request_id] = time.time()

@@ -1,0 +1,89 @@
+"""The scheduler's side of the step streams: plans out on {ns}:group:{g}:steps, results back
+on {ns}:group:{g}:results, with up to STEPS_IN_FLIGHT plans outstanding (overlapped
+scheduling: plan N+1 is sent while the worker runs plan N)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aioredis
+
+from services.scheduler.metrics import SchedulerMetrics
+from shared.bus import read_stream, stream_fields
+from shared.channels import Channels
+from shared.messages import StepPlan, StepResult
+
+log = logging.getLogger(__name__)
+
+STEPS_IN_FLIGHT = 2  # plans sent before the oldest result is awaited
+STEPS_MAXLEN = 1000
+RESULT_WARN_S = 30.0
+
+
+class StepChannel:
+    def __init__(
+        self, redis: aioredis.Redis, channels: Channels, group: str, metrics: SchedulerMetrics
+    ) -> None:
+        self.redis = redis
+        self.channels = channels
+        self.group = group
+        self.metrics = metrics
+        self.in_flight: deque[tuple[int, float]] = deque()  # (step_id, perf_counter sent)
+        self._results: dict[int, StepResult] = {}  # read ahead of their turn
+        self._last_id = b"0-0"
+
+    @property
+    def has_room(self) -> bool:
+        return len(self.in_flight) < STEPS_IN_FLIGHT
+
+    async def reset(self) -> None:
+        """A new session: forget outstanding plans and old results."""
+        await self.redis.delete(self.channels.results(self.group))
+        self._last_id = b"0-0"
+        self.in_flight.clear()
+        self._results.clear()
+
+    async def send(self, plan: StepPlan) -> None:
+        """XADD a plan for the worker; its result is awaited later (await_oldest)."""
+        self.in_flight.append((plan.step_id, time.perf_counter()))
+        await self.redis.xadd(
+            self.channels.steps(self.group),
+            stream_fields(plan),
+            maxlen=STEPS_MAXLEN,
+            approximate=True,
+        )
+        self.metrics.batch_size.observe(len(plan.new_requests) + len(plan.running))
+        self.metrics.admitted.inc(len(plan.new_requests))
+        self.metrics.step_tokens.observe(
+            sum(r.num_scheduled_tokens for r in plan.new_requests)
+            + sum(r.num_scheduled_tokens for r in plan.running)
+        )
+
+    async def await_oldest(
+        self, check_worker: Callable[[], Awaitable[None]], give_up: Callable[[], bool]
+    ) -> StepResult:
+        """The result of the oldest plan in flight. Every silent second, `check_worker` may
+        raise (the worker is gone); once `give_up()` is true an empty result is returned."""
+        step_id, sent_at = self.in_flight.popleft()
+        results = self.channels.results(self.group)
+        waited = 0.0
+        while step_id not in self._results:
+            entries = await read_stream(
+                self.redis, results, self._last_id, StepResult, block_ms=1000
+            )
+            for entry_id, result in entries:
+                self._last_id = entry_id
+                self._results[result.step_id] = result
+            if not entries:
+                await check_worker()
+                if give_up():
+                    log.warning("stopping without the result of step %d", step_id)
+                    return StepResult(step_id=step_id)  # its requests are handed back
+                waited += 1.0
+                if waited % RESULT_WARN_S == 0:
+                    log.warning("no result for step %d after %.0f s", step_id, waited)
+        self.metrics.step_round_trip.observe(time.perf_counter() - sent_at)
+        return self._results.pop(step_id)
