@@ -31,6 +31,29 @@ def tiny_cluster(redis_url, tiny_llama):
         cluster.stop()
 
 
+@pytest.fixture
+def own_cluster(redis_url, tiny_llama, namespace):
+    """A factory of clusters for tests that break them (kill, stop): each test gets its own,
+    stopped at the end."""
+    clusters: list[Cluster] = []
+
+    def start(*flags: str, num_groups: int = 2, num_gateways: int = 1) -> Cluster:
+        cluster = Cluster(
+            redis_url,
+            f"{namespace}{len(clusters)}",
+            tiny_llama,
+            num_groups=num_groups,
+            num_gateways=num_gateways,
+            args=[*CLUSTER_ARGS, *flags],
+        )
+        clusters.append(cluster)
+        return cluster.start()
+
+    yield start
+    for cluster in clusters:
+        cluster.stop()
+
+
 @pytest.fixture(scope="session")
 def stories_cluster(redis_url, stories_model):
     """One gateway and one worker group serving the real stories260k model."""

@@ -11,7 +11,6 @@ import signal
 import httpx
 import pytest
 
-from tests.e2e.conftest import CLUSTER_ARGS
 from tests.e2e.test_pipeline import prompt_text
 from tests.support.cluster import Cluster
 from tests.support.reference import greedy_ids
@@ -21,19 +20,8 @@ CASES = [(prompt_text(i, 3 + (i * 5) % 20), 150 + (i * 37) % 200) for i in range
 
 
 @pytest.fixture
-def cluster(redis_url, tiny_llama, namespace):
-    cluster = Cluster(
-        redis_url,
-        namespace,
-        tiny_llama,
-        num_groups=2,
-        num_gateways=2,
-        args=[*CLUSTER_ARGS, "--claim-timeout", "2"],
-    )
-    try:
-        yield cluster.start()
-    finally:
-        cluster.stop()
+def cluster(own_cluster):
+    return own_cluster("--claim-timeout", "2", num_gateways=2)
 
 
 async def stream(client: httpx.AsyncClient, url: str, prompt: str, n: int) -> list[dict]:

@@ -11,28 +11,15 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import CLUSTER_ARGS
 from tests.e2e.test_pipeline import prompt_text
-from tests.support.cluster import Cluster
 from tests.support.reference import greedy_ids
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def cluster(redis_url, tiny_llama, namespace):
-    cluster = Cluster(
-        redis_url,
-        namespace,
-        tiny_llama,
-        num_groups=2,
-        num_gateways=1,
-        args=[*CLUSTER_ARGS, "--shutdown-grace", "0.5"],
-    )
-    try:
-        yield cluster.start()
-    finally:
-        cluster.stop()
+def cluster(own_cluster):
+    return own_cluster("--shutdown-grace", "0.5", num_gateways=1)
 
 
 def test_sigterm_on_a_worker_group_hands_requests_to_the_other(cluster, tiny_llama):

@@ -16,15 +16,9 @@ JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture
-def settings(redis_url, namespace, tokenizer_dir) -> Settings:
-    return Settings(
-        redis_url=redis_url,
-        namespace=namespace,
-        model_id=str(tokenizer_dir),
-        max_total_tokens=64,
-        max_input_tokens=32,
-        payload_limit=4000,
-    )
+def settings(settings) -> Settings:
+    """The gateway fixture's settings with a small body limit."""
+    return settings.model_copy(update={"payload_limit": 4000})
 
 
 def is_tgi_error(response: httpx.Response, error_type: str = "validation") -> bool:
