@@ -50,3 +50,13 @@ def run_inprocess(model_dir: Path, cases: list[Case]) -> dict[str, Any]:
         "generated_tokens": num_tokens,
         "wall_s": round(wall_s, 3),
     }
+
+
+def run_ceiling(model_dir: Path) -> dict[str, Any]:
+    """services.bench.ceiling's decode measurement on the in-process engine."""
+    engine_class = find_engine()
+    if engine_class is None:
+        return {"available": False, "message": "in-process engine not available yet"}
+    from services.bench.ceiling import decode_ceiling
+
+    return decode_ceiling(engine_class, model_dir)

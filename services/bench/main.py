@@ -23,11 +23,12 @@ from typing import Any
 
 from services.bench.arrivals import poisson_arrivals
 from services.bench.client import LevelRun, run_closed_loop, run_open_loop
-from services.bench.inprocess import run_inprocess
+from services.bench.inprocess import run_ceiling, run_inprocess
 from services.bench.plot import MISSING, can_plot, plot
 from services.bench.progress import Progress
+from services.bench.random_model import SHAPES
 from services.bench.report import add_ratios, format_table, level_metrics
-from services.bench.server import server
+from services.bench.server import served_dtype, server
 from services.bench.workload import (
     Case,
     dataset_workload,
@@ -64,7 +65,14 @@ def _range(text: str) -> tuple[int, int]:
 def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--model-id", required=True, help="model folder or hub id")
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model-id", help="model folder or hub id")
+    model.add_argument(
+        "--random-model",
+        choices=sorted(SHAPES),
+        help="a random-weight model of that checkpoint's shape, built once into "
+        "~/.cache/textgen/random-models (no download)",
+    )
     parser.add_argument("--url", help="a running server; default: launch one")
     parser.add_argument(
         "--num-requests", type=int, default=32, help="requests per level (default 32)"
@@ -92,6 +100,13 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
         help="max_new_tokens LOW:HIGH (default 16:128)",
     )
     parser.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every synthetic prompt starts with the same N tokens (prefix caching)",
+    )
+    parser.add_argument(
         "--dataset",
         type=Path,
         help='JSON lines of {"prompt": ..., "max_new_tokens": ...} instead of synthetic prompts',
@@ -107,6 +122,25 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compare-inprocess", action="store_true", help="the in-process engine, when present"
     )
+    parser.add_argument(
+        "--compare-prefix-caching",
+        action="store_true",
+        help="the same levels on a second launched server with --disable-prefix-caching: "
+        "TTFT ratio and identical outputs (use with --shared-prefix-len)",
+    )
+    parser.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="time in-process decode steps at batch 32 against this machine's matmul ceiling",
+    )
+    parser.add_argument(
+        "--launch-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="passed to the launched server (repeat: --launch-arg=--max-batch-size "
+        "--launch-arg=16)",
+    )
 
 
 def build_workload(args: argparse.Namespace, model_dir: Path) -> tuple[list[Case], str]:
@@ -120,11 +154,13 @@ def build_workload(args: argparse.Namespace, model_dir: Path) -> tuple[list[Case
         args.output_len_range,
         tokenizer_counter(model_dir),
         args.seed,
+        args.shared_prefix_len,
     )
     (in_low, in_high), (out_low, out_high) = args.input_len_range, args.output_len_range
+    prefix = f" shared prefix {args.shared_prefix_len}" if args.shared_prefix_len else ""
     return cases, (
-        f"synthetic seed={args.seed} input {in_low}:{in_high} output {out_low}:{out_high} "
-        f"({len(cases)} requests)"
+        f"synthetic seed={args.seed}{prefix} input {in_low}:{in_high} output "
+        f"{out_low}:{out_high} ({len(cases)} requests)"
     )
 
 
@@ -153,37 +189,78 @@ def run_levels(url: str, cases: list[Case], args: argparse.Namespace) -> list[Le
 
 
 def compare_transformers(
-    model_dir: Path, cases: list[Case], first: LevelRun | None
+    model_dir: Path, cases: list[Case], first: LevelRun | None, dtype: str
 ) -> dict[str, dict[str, Any]]:
+    """transformers in the dtype the server runs: one request at a time, and static batches
+    as large as the first level's concurrency (each run to its longest request)."""
     from services.bench.reference import run_batched, run_sequential
 
     eos = eos_token_ids(model_dir)
-    sequential = run_sequential(str(model_dir), cases, eos)
-    batched = run_batched(str(model_dir), cases, eos)
+    batch_size = int(first.value) if first is not None and first.mode == "concurrency" else 0
+    sequential = run_sequential(str(model_dir), cases, eos, dtype)
+    batched = run_batched(str(model_dir), cases, eos, dtype, batch_size or len(cases))
     out: dict[str, dict[str, Any]] = {}
     for name, result in (("hf_sequential", sequential), ("hf_batched", batched)):
         out[name] = {
             "tokens_per_s": round(result.tokens_per_s, 1),
             "generated_tokens": result.num_generated_tokens,
             "wall_s": round(result.wall_s, 3),
+            "dtype": dtype,
         }
+    out["hf_batched"]["batch_size"] = batch_size or len(cases)
     if first is not None:
-        server_ids = [r.token_ids for r in first.records]
-        matches = sum(a == b for a, b in zip(server_ids, sequential.token_ids))
-        out["hf_sequential"]["greedy_equal"] = f"{matches}/{len(cases)}"
+        out["hf_sequential"]["greedy_equal"] = greedy_equal(first, sequential.token_ids)
     return out
+
+
+def greedy_equal(run: LevelRun, token_ids: list[list[int]]) -> str:
+    matches = sum(r.token_ids == ids for r, ids in zip(run.records, token_ids, strict=True))
+    return f"{matches}/{len(token_ids)}"
+
+
+def compare_prefix_caching(
+    model_dir: Path, cases: list[Case], args: argparse.Namespace, cached: list[LevelRun]
+) -> dict[str, Any]:
+    """The same levels against a server with prefix caching off."""
+    with server(None, str(model_dir), [*args.launch_arg, "--disable-prefix-caching"]) as url:
+        uncached = run_levels(url, cases, args)
+    levels = []
+    for on, off in zip(cached, uncached, strict=True):
+        on_metrics, off_metrics = level_metrics(on), level_metrics(off)
+        on_ttft, off_ttft = on_metrics["ttft"]["p50_ms"], off_metrics["ttft"]["p50_ms"]
+        levels.append(
+            {
+                "level": f"{on.mode}={on.value:g}",
+                "ttft_p50_ms_cached": on_ttft,
+                "ttft_p50_ms_uncached": off_ttft,
+                "ttft_p50_ratio": round(off_ttft / on_ttft, 2) if on_ttft else None,
+                "tokens_per_s_uncached": off_metrics["output_token_throughput"],
+                "outputs_identical": greedy_equal(on, [r.token_ids for r in off.records]),
+            }
+        )
+    return {"levels": levels}
 
 
 def run(args: argparse.Namespace) -> int:
     if args.plot is not None and not can_plot():
         print(MISSING, file=sys.stderr)
         return 2
-    model_dir = resolve_model_dir(args.model_id)
+    if args.compare_prefix_caching and args.url:
+        print("--compare-prefix-caching launches its servers: drop --url", file=sys.stderr)
+        return 2
+    if args.random_model:
+        from services.bench.random_model import build_random_model
+
+        model_dir = build_random_model(args.random_model)
+    else:
+        model_dir = resolve_model_dir(args.model_id)
     cases, workload = build_workload(args, model_dir)
-    with server(args.url, str(model_dir)) as url:
+    with server(args.url, str(model_dir), args.launch_arg) as url:
+        dtype = served_dtype(url) or "float32"
         runs = run_levels(url, cases, args)
     report: dict[str, Any] = {
-        "model": args.model_id,
+        "model": args.model_id or f"random {args.random_model}",
+        "dtype": dtype,
         "url": args.url or "launched",
         "workload": workload,
         "levels": [level_metrics(r) for r in runs],
@@ -191,11 +268,15 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.compare_transformers:
         report["baselines"].update(
-            compare_transformers(model_dir, cases, runs[0] if runs else None)
+            compare_transformers(model_dir, cases, runs[0] if runs else None, dtype)
         )
     if args.compare_inprocess:
         report["baselines"]["inprocess"] = run_inprocess(model_dir, cases)
     add_ratios(report)
+    if args.compare_prefix_caching:
+        report["prefix_caching"] = compare_prefix_caching(model_dir, cases, args, runs)
+    if args.ceiling:
+        report["ceiling"] = run_ceiling(model_dir)
     if args.plot is not None:
         plot(report, args.plot)
     print(json.dumps(report) if args.json else format_table(report))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from services.bench.ceiling import format_ceiling
 from services.bench.client import LevelRun
 from services.bench.stats import Summary
 
@@ -68,6 +69,14 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append("(latencies in ms; tok/s = output tokens per second)")
     for name, baseline in report.get("baselines", {}).items():
         lines.append(format_baseline(name, baseline, report["levels"]))
+    for level in report.get("prefix_caching", {}).get("levels", []):
+        lines.append(
+            f"prefix caching {level['level']}: TTFT p50 {_fmt(level['ttft_p50_ms_cached'])} ms "
+            f"cached vs {_fmt(level['ttft_p50_ms_uncached'])} ms uncached "
+            f"(x{level['ttft_p50_ratio']}), outputs identical {level['outputs_identical']}"
+        )
+    if "ceiling" in report:
+        lines.append(format_ceiling(report["ceiling"]))
     return "\n".join(lines)
 
 

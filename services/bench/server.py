@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import httpx
@@ -28,6 +28,14 @@ def wait_healthy(url: str, process: subprocess.Popen | None, timeout_s: float) -
     raise SystemExit(f"{url} was not healthy in {timeout_s:.0f} s")
 
 
+def served_dtype(url: str) -> str | None:
+    """The dtype the server's workers run ("bfloat16", ...) from /info, None when unknown."""
+    try:
+        return httpx.get(f"{url}/info", timeout=10).json().get("model_dtype")
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
 def _stderr_fd() -> int | None:
     try:
         return sys.stderr.fileno()
@@ -36,8 +44,11 @@ def _stderr_fd() -> int | None:
 
 
 @contextmanager
-def server(url: str | None, model_id: str, timeout_s: float = 600.0) -> Iterator[str]:
-    """The base URL to load: `url` as given, else a launched server's."""
+def server(
+    url: str | None, model_id: str, extra_args: Sequence[str] = (), timeout_s: float = 600.0
+) -> Iterator[str]:
+    """The base URL to load: `url` as given, else a launched server's (`textgen launch` with
+    `extra_args` added)."""
     if url is not None:
         wait_healthy(url, None, 30.0)
         yield url.rstrip("/")
@@ -46,7 +57,7 @@ def server(url: str | None, model_id: str, timeout_s: float = 600.0) -> Iterator
     argv = [sys.executable, "-m", "services.launcher.cli", "launch", "--model-id", model_id]
     # its output goes to stderr: stdout carries the report (--json must stay parseable)
     process = subprocess.Popen(
-        [*argv, "--port", str(port), "--log-level", "WARNING"], stdout=_stderr_fd()
+        [*argv, "--port", str(port), "--log-level", "WARNING", *extra_args], stdout=_stderr_fd()
     )
     try:
         launched = f"http://127.0.0.1:{port}"

@@ -67,14 +67,20 @@ def synthetic_workload(
     output_len_range: tuple[int, int],
     count_tokens: Callable[[str], int],
     seed: int,
+    shared_prefix_len: int = 0,
 ) -> list[Case]:
-    """`num_requests` cases, prompt and output lengths uniform in their inclusive ranges."""
+    """`num_requests` cases, prompt and output lengths uniform in their inclusive ranges.
+    With `shared_prefix_len`, every prompt starts with the same text of that many tokens (a
+    system prompt, a few-shot preamble) and the drawn length is what follows it."""
     rng = random.Random(seed)
+    prefix = ""
+    if shared_prefix_len:
+        prefix = prompt_of_length(shared_prefix_len, count_tokens, random.Random(~seed)) + " "
     cases = []
     for _ in range(num_requests):
         num_input = rng.randint(*input_len_range)
         num_output = rng.randint(*output_len_range)
-        cases.append(Case(prompt_of_length(num_input, count_tokens, rng), num_output))
+        cases.append(Case(prefix + prompt_of_length(num_input, count_tokens, rng), num_output))
     return cases
 
 

@@ -17,7 +17,7 @@ from services.gateway.state import GatewayState
 from services.gateway.tgi_routes import decode, gateway
 from services.gateway.tokenizer import TokenizerError
 from shared.codec import decode as decode_message
-from shared.messages import Heartbeat
+from shared.messages import Heartbeat, WorkerReady
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -50,6 +50,20 @@ async def has_ready_group(state: GatewayState) -> bool:
     return False
 
 
+async def any_worker(state: GatewayState) -> WorkerReady | None:
+    """The WorkerReady of some registered group (they all serve the one model), or None."""
+    try:
+        async with asyncio.timeout(HEALTH_TIMEOUT_S):
+            for raw in sorted(await state.client.smembers(state.channels.groups)):
+                group = raw.decode() if isinstance(raw, bytes) else str(raw)
+                ready = await state.client.get(state.channels.worker(group))
+                if ready is not None:
+                    return decode_message(ready, WorkerReady)
+    except (RedisError, OSError, TimeoutError) as exc:
+        log.debug("/info: Redis unreachable: %s", exc)
+    return None
+
+
 async def health(request: Request) -> Response:
     if await has_ready_group(gateway(request)):
         return Response(status_code=200)
@@ -69,6 +83,7 @@ async def live() -> Response:
 async def info(request: Request) -> JSONResponse:
     state = gateway(request)
     settings, limits = state.settings, state.limits
+    worker = await any_worker(state)
     return JSONResponse(
         {
             "model_id": settings.model_id,
@@ -93,6 +108,9 @@ async def info(request: Request) -> JSONResponse:
             "max_batch_size": settings.max_batch_size,
             "waiting_served_ratio": settings.waiting_served_ratio,
             "max_top_n_tokens": limits.max_top_n_tokens,
+            # from a worker group; null until one has loaded the model
+            "model_dtype": worker.dtype if worker else None,
+            "model_device_type": worker.device.split(":")[0] if worker else None,
         }
     )
 

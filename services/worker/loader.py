@@ -34,12 +34,31 @@ def pick_device(name: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo), empty where unknown."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+# CPU features with native half-precision matmuls (oneDNN uses them); without them half
+# precision is emulated and slower than float32
+CPU_NATIVE = {torch.bfloat16: {"avx512_bf16", "amx_bf16"}, torch.float16: {"amx_fp16"}}
+
+
 def pick_dtype(name: str, device: torch.device, config_dtype: torch.dtype | None) -> torch.dtype:
-    """`auto`: the checkpoint's dtype on GPU; float32 on CPU (half precision is slow there)."""
+    """`auto`: the checkpoint's dtype; on CPU float32 unless the CPU does that half precision
+    natively (bfloat16 with AVX512-BF16 or AMX: about 2.5x float32's matmul speed)."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cpu":
-        return torch.float32
+        native = CPU_NATIVE.get(config_dtype, set()) if config_dtype else set()
+        return config_dtype if native & cpu_flags() else torch.float32
     return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 

@@ -15,7 +15,10 @@ Query j of a request with q_len queries and context_len keys sits at position
 context_len - q_len + j and sees keys 0..that position (causal).
 
 Decodes (one query each) are attended together in one call over their block tables padded to
-the longest context (`DecodeGroup`); prompt chunks are attended one request at a time.
+the longest context (`DecodeGroup`): whole blocks are gathered (one row copy per block, not
+one per token), and on CPU in half precision the attention is two batched matmuls with a
+float32 softmax (PyTorch's CPU flash kernel is several times slower there). Prompt chunks are
+attended one request at a time.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ METADATA_KWARG = "textgen_attention"
 @dataclass
 class DecodeGroup:
     rows: torch.Tensor  # [num_decodes] packed index of each decode query
-    slots: torch.Tensor  # [num_decodes, max_context_len] context slots, padded with slot 0
-    mask: torch.Tensor  # [num_decodes, 1, 1, max_context_len] True on real (unpadded) keys
+    blocks: torch.Tensor  # [num_decodes * max_blocks] block tables, row-major, padded with 0
+    max_blocks: int  # blocks per padded row; keys per row = max_blocks * block_size
+    mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] True on real keys
 
 
 @dataclass
@@ -50,20 +54,34 @@ class AttentionMetadata:
 
 
 def make_decode_group(
-    rows: list[int], context_slots: list[torch.Tensor], device: torch.device
+    rows: list[int],
+    block_tables: list[list[int]],
+    context_lens: list[int],
+    block_size: int,
+    device: torch.device,
 ) -> DecodeGroup:
-    """Pad the decodes' context slots into one [num_decodes, max_context_len] table."""
-    lengths = torch.tensor([len(s) for s in context_slots])
-    max_len = int(lengths.max())
-    slots = torch.zeros(len(rows), max_len, dtype=torch.long)
-    for i, row_slots in enumerate(context_slots):
-        slots[i, : len(row_slots)] = row_slots
-    mask = torch.arange(max_len)[None, :] < lengths[:, None]
+    """Pad the decodes' block tables (each cut to the blocks its context fills) to the
+    longest one."""
+    used = [-(-length // block_size) for length in context_lens]
+    max_blocks = max(used)
+    table = [0] * (len(rows) * max_blocks)
+    for i, (blocks, num_used) in enumerate(zip(block_tables, used, strict=True)):
+        table[i * max_blocks : i * max_blocks + num_used] = blocks[:num_used]
+    lengths = torch.tensor(context_lens)
+    mask = torch.arange(max_blocks * block_size)[None, :] < lengths[:, None]
     return DecodeGroup(
         rows=torch.tensor(rows, dtype=torch.long, device=device),
-        slots=slots.to(device),
+        blocks=torch.tensor(table, dtype=torch.long, device=device),
+        max_blocks=max_blocks,
         mask=mask[:, None, None, :].to(device),
     )
+
+
+def _gather_blocks(cache: torch.Tensor, group: DecodeGroup, block_size: int) -> torch.Tensor:
+    """The group's keys (or values) from one layer's cache. [n, max_len, kv_heads, head_dim]"""
+    num_slots, kv_heads, head_dim = cache.shape
+    rows = cache.view(num_slots // block_size, -1).index_select(0, group.blocks)
+    return rows.view(len(group.rows), group.max_blocks * block_size, kv_heads, head_dim)
 
 
 def _causal_mask(q_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor:
@@ -102,7 +120,16 @@ def paged_attention_forward(
         num_tokens, query.shape[1], query.shape[3], dtype=query.dtype, device=query.device
     )  # [num_tokens, num_heads, head_dim]
     if meta.decodes is not None:
-        _attend_decodes(meta.decodes, query, k_cache, v_cache, out, scaling, sliding_window)
+        _attend_decodes(
+            meta.decodes,
+            query,
+            k_cache,
+            v_cache,
+            meta.kv_cache.block_size,
+            out,
+            scaling,
+            sliding_window,
+        )
     indices = meta.prefill_indices
     for i in range(len(meta.context_lens)) if indices is None else indices:
         context_len = meta.context_lens[i]
@@ -134,20 +161,36 @@ def _attend_decodes(
     query: torch.Tensor,  # [1, num_heads, num_tokens, head_dim]
     k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
+    block_size: int,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     scaling: float | None,
     sliding_window: int | None,
 ) -> None:
-    q = query[0][:, group.rows].transpose(0, 1).unsqueeze(2)  # [n, num_heads, 1, head_dim]
-    k = k_cache[group.slots].permute(0, 2, 1, 3).to(q.dtype)  # [n, kv_heads, max_len, head_dim]
-    v = v_cache[group.slots].permute(0, 2, 1, 3).to(q.dtype)
-    mask = group.mask
+    q = query[0][:, group.rows].transpose(0, 1)  # [n, num_heads, head_dim]
+    k = _gather_blocks(k_cache, group, block_size).to(q.dtype)  # [n, max_len, kv, head_dim]
+    v = _gather_blocks(v_cache, group, block_size).to(q.dtype)
+    mask = group.mask  # [n, 1, 1, max_len]
     if sliding_window:
         lengths = mask.sum(-1, keepdim=True)  # [n, 1, 1, 1]
         positions = torch.arange(mask.shape[-1], device=mask.device)
         mask = mask & (positions > lengths - 1 - sliding_window)
+    n, num_heads, head_dim = q.shape
+    if q.device.type == "cpu" and q.dtype != torch.float32:
+        kv_heads = k.shape[2]
+        grouped = q.view(n, kv_heads, num_heads // kv_heads, head_dim)
+        scores = torch.matmul(grouped, k.permute(0, 2, 3, 1)).float()  # [n, kv, group, max_len]
+        scores = scores.mul_(head_dim**-0.5 if scaling is None else scaling)
+        weights = scores.masked_fill_(~mask, float("-inf")).softmax(-1).to(q.dtype)
+        attended = torch.matmul(weights, v.transpose(1, 2))  # [n, kv, group, head_dim]
+        out[group.rows] = attended.reshape(n, num_heads, head_dim)
+        return
     attended = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+        q.unsqueeze(2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        scale=scaling,
+        enable_gqa=num_heads != k.shape[2],
     )  # [n, num_heads, 1, head_dim]
     out[group.rows] = attended[:, :, 0]
 

@@ -148,7 +148,9 @@ class ModelRunner:
         if len(decode_indices) > 1:
             metadata.decodes = make_decode_group(
                 [query_start[i] for i in decode_indices],
-                [context_slots[i] for i in decode_indices],
+                [scheduled[i].block_ids for i in decode_indices],
+                [context_lens[i] for i in decode_indices],
+                self.kv_cache.block_size,
                 self.device,
             )
             is_decode = set(decode_indices)

@@ -101,7 +101,8 @@ def sample_one(
 
 def sample_greedy_batch(logits: torch.Tensor, top_n_tokens: list[int]) -> list[Sampled]:
     """Greedy tokens for rows that need no penalty: one argmax for all. [num_rows, vocab]"""
-    log_probs = logits.float().log_softmax(-1)
+    logits = logits.float()  # argmax over half precision is several times slower on CPU
+    log_probs = logits.log_softmax(-1)
     token_ids = torch.argmax(logits, dim=-1).tolist()
     chosen = log_probs.gather(1, torch.tensor(token_ids, device=logits.device)[:, None])
     chosen_list = chosen[:, 0].tolist()

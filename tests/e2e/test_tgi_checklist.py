@@ -266,6 +266,8 @@ def test_31_32_33_34_info_health_tokenize_metrics(url, tiny_llama):
     ):
         assert key in info, key
     assert info["model_id"] == str(tiny_llama) and info["max_total_tokens"] == 512
+    # the 2.x fields, from the worker that loaded the model (a float32 checkpoint on CPU)
+    assert (info["model_dtype"], info["model_device_type"]) == ("float32", "cpu")
     tokens = post(url, "/tokenize", {"inputs": "Hello world"}).json()
     generated = post(
         url, "/generate", {"inputs": "Hello world", "parameters": {"max_new_tokens": 1}}
