@@ -90,6 +90,11 @@ class Settings(BaseSettings):
         None, description="simulate the worker: each step takes this long, no model is loaded"
     )
 
+    # --- launcher ---------------------------------------------------------------------------
+    num_groups: int = Field(
+        1, description="worker groups `textgen launch` starts (a scheduler and a worker each)"
+    )
+
     @classmethod
     def settings_customise_sources(
         cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
@@ -107,6 +112,8 @@ class Settings(BaseSettings):
             raise ValueError("max_batch_size must be > 0")
         if self.block_size <= 0:
             raise ValueError("block_size must be > 0")
+        if self.num_groups <= 0:
+            raise ValueError("num_groups must be > 0")
         if (
             self.max_input_tokens is not None
             and self.max_total_tokens is not None

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.bench.stats import Summary
 from services.bench.workload import Case
 
 ENGINE_MODULE = "services.engine"
@@ -28,8 +29,12 @@ def find_engine() -> Any | None:
     return getattr(importlib.import_module(ENGINE_MODULE), "Engine", None)
 
 
-def run_inprocess(model_dir: Path, cases: list[Case]) -> dict[str, Any]:
-    """{"available": False, "message"} without an engine; else its tokens/s on `cases`."""
+def run_inprocess(
+    model_dir: Path, cases: list[Case], concurrency: int | None = None
+) -> dict[str, Any]:
+    """{"available": False, "message"} without an engine; else its tokens/s on `cases`, at
+    most `concurrency` requests in the engine at once (a new one as soon as one ends, like
+    the server's closed loop; None: all at once)."""
     engine_class = find_engine()
     if engine_class is None:
         return {"available": False, "message": "in-process engine not available yet"}
@@ -37,11 +42,18 @@ def run_inprocess(model_dir: Path, cases: list[Case]) -> dict[str, Any]:
     tokenized = [engine.tokenizer.encode(case.prompt).ids for case in cases]
     engine.add(tokenized[0], 2)  # warm-up: first forward pass outside the timing
     engine.run()
-    before = engine.stats.num_generated_tokens
+    before, gaps_before = engine.stats.num_generated_tokens, len(engine.stats.token_gaps)
+    limit = concurrency or len(cases)
+    waiting = list(zip(tokenized, cases, strict=True))[::-1]
     started = time.perf_counter()
-    for ids, case in zip(tokenized, cases, strict=True):
-        engine.add(ids, case.max_new_tokens)
-    engine.run()
+    while True:
+        in_engine = engine.num_unfinished
+        while waiting and in_engine < limit:
+            ids, case = waiting.pop()
+            engine.add(ids, case.max_new_tokens)
+            in_engine += 1
+        if not engine.step() and not waiting:
+            break
     wall_s = time.perf_counter() - started
     num_tokens = engine.stats.num_generated_tokens - before
     return {
@@ -49,6 +61,8 @@ def run_inprocess(model_dir: Path, cases: list[Case]) -> dict[str, Any]:
         "tokens_per_s": round(num_tokens / wall_s, 1),
         "generated_tokens": num_tokens,
         "wall_s": round(wall_s, 3),
+        "concurrency": limit,
+        "itl": Summary.of(engine.stats.token_gaps[gaps_before:]).as_ms(),
     }
 
 

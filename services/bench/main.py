@@ -271,7 +271,10 @@ def run(args: argparse.Namespace) -> int:
             compare_transformers(model_dir, cases, runs[0] if runs else None, dtype)
         )
     if args.compare_inprocess:
-        report["baselines"]["inprocess"] = run_inprocess(model_dir, cases)
+        first = runs[0] if runs and runs[0].mode == "concurrency" else None
+        report["baselines"]["inprocess"] = run_inprocess(
+            model_dir, cases, int(first.value) if first else None
+        )
     add_ratios(report)
     if args.compare_prefix_caching:
         report["prefix_caching"] = compare_prefix_caching(model_dir, cases, args, runs)

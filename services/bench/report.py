@@ -89,6 +89,12 @@ def format_baseline(name: str, baseline: dict[str, Any], levels: list[dict[str, 
         for level in levels
     )
     extra = f"  greedy equal {baseline['greedy_equal']}" if "greedy_equal" in baseline else ""
+    if "itl" in baseline:
+        extra += f"  itl p50 {_fmt(baseline['itl']['p50_ms'])} ms" + "".join(
+            f" ({_label(level)} +{_fmt(level['itl']['p50_ms'] - baseline['itl']['p50_ms'])})"
+            for level in levels
+            if level["itl"]["p50_ms"] is not None and baseline["itl"]["p50_ms"] is not None
+        )
     return f"{name}: {tokens_per_s:.1f} tok/s; server/{name}: {ratios}{extra}"
 
 
@@ -99,4 +105,11 @@ def add_ratios(report: dict[str, Any]) -> None:
             name: round(level["output_token_throughput"] / baseline["tokens_per_s"], 2)
             for name, baseline in report.get("baselines", {}).items()
             if baseline.get("available", True) and baseline["tokens_per_s"] > 0
+        }
+        level["itl_p50_added_ms"] = {
+            name: round(level["itl"]["p50_ms"] - baseline["itl"]["p50_ms"], 2)
+            for name, baseline in report.get("baselines", {}).items()
+            if "itl" in baseline
+            and level["itl"]["p50_ms"] is not None
+            and baseline["itl"]["p50_ms"] is not None
         }

@@ -35,6 +35,9 @@ class EngineStats:
     num_steps: int = 0
     num_generated_tokens: int = 0
     step_sizes: list[int] = field(default_factory=list)  # requests per step
+    # s between consecutive tokens of a request, as the caller sees them (the in-process
+    # counterpart of the server's inter-token latency)
+    token_gaps: list[float] = field(default_factory=list)
 
 
 class Engine:
@@ -88,6 +91,8 @@ class Engine:
         self._tokenizer: Any = None
         self._ids = itertools.count()
         self._outputs: dict[str, list[int]] = {}
+        self._num_added = 0
+        self._last_token_at: dict[str, float] = {}  # perf_counter s of each one's last token
         self._finish: dict[str, FinishReason | None] = {}
         self._errors: dict[str, str] = {}
         self.ended: list[SchedRequest] = []  # requests the scheduler ended, in order
@@ -119,7 +124,13 @@ class Engine:
             b"0-0",
         )
         self._outputs[request_id] = []
+        self._num_added += 1
         return request_id
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests added that have not ended yet."""
+        return self._num_added - len(self.ended)
 
     def step(self) -> bool:
         """Plan and run one step, and answer the oldest one once `steps_in_flight` are out
@@ -140,8 +151,16 @@ class Engine:
         return True
 
     def _answer(self, outcome: StepOutcome) -> None:
+        now = time.perf_counter()
         for events in outcome.events.values():
             for event in events:
+                if event.token_ids:
+                    last = self._last_token_at.get(event.request_id)
+                    if last is not None:
+                        self.stats.token_gaps.append(now - last)
+                    self._last_token_at[event.request_id] = now
+                if event.finish_reason is not None or event.error:
+                    self._last_token_at.pop(event.request_id, None)
                 self._outputs[event.request_id].extend(event.token_ids)
                 self.stats.num_generated_tokens += len(event.token_ids)
                 if event.finish_reason is not None:

@@ -23,7 +23,8 @@ from shared.settings import Settings
 
 log = logging.getLogger(__name__)
 
-SERVICES = ("worker", "scheduler", "gateway")
+GROUP_SERVICES = ("worker", "scheduler")  # one of each per worker group
+
 READY_TIMEOUT_S = 1800.0  # a first run may download the model
 
 
@@ -53,8 +54,10 @@ class Launcher:
         signal.signal(signal.SIGINT, self._on_signal)
         try:
             url = self.redis_url = self.settings.redis_url or self.redis.start()
-            for name in SERVICES:
-                self._spawn(name, url)
+            for group in range(self.settings.num_groups):
+                for service in GROUP_SERVICES:
+                    self._spawn(self._child_name(service, group), url)
+            self._spawn("gateway", url)
             self._wait_ready()
             print(
                 f"textgen is ready: http://127.0.0.1:{self.settings.port} "
@@ -71,14 +74,24 @@ class Launcher:
         finally:
             self._stop_all()
 
+    def _child_name(self, service: str, group: int) -> str:
+        """ "worker", "scheduler" with one group; "worker-3", "scheduler-3" with several."""
+        return service if self.settings.num_groups == 1 else f"{service}-{group}"
+
+    def _command(self, name: str) -> list[str]:
+        """The child's command line: the launch flags, and with several groups its --group
+        (and --metrics-port + 2 * group, + 1 for the worker, so no two children share one)."""
+        service, _, group = name.partition("-")
+        command = [sys.executable, "-m", "services.launcher.cli", service, *self.forwarded_args]
+        if group:
+            command += ["--group", group]
+        if self.settings.metrics_port and service != "gateway":
+            offset = 2 * int(group or 0) + (service == "worker")
+            command += ["--metrics-port", str(self.settings.metrics_port + offset)]
+        return command
+
     def _spawn(self, name: str, redis_url: str) -> None:
-        command = [
-            sys.executable,
-            "-m",
-            "services.launcher.cli",
-            name,
-            *self.forwarded_args,
-        ]
+        command = self._command(name)
         env = {**os.environ, "REDIS_URL": redis_url}  # secrets in the environment, not in `ps`
         if self.settings.api_key:
             env["API_KEY"] = self.settings.api_key

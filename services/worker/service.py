@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import redis.asyncio as aioredis
 
@@ -65,6 +66,9 @@ class WorkerService:
         self._ready_bytes = encode(self.ready_message())
         self.is_last_step_ok = True  # a failed step makes the group unhealthy until one succeeds
         self.stop_at: float | None = None  # unix s; set by request_stop()
+        # every forward on one thread: each thread that calls into torch gets its own OpenMP
+        # team, and idle teams spinning beside the busy one halved CPU step speed
+        self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="forward")
 
     def ready_message(self) -> WorkerReady:
         cache = self.runner.kv_cache
@@ -144,7 +148,8 @@ class WorkerService:
             except Exception as exc:  # a poisoned entry must not stop the worker
                 await self._dead_letter(steps, entry_id, fields, exc)
                 continue
-            outcome = await asyncio.to_thread(self._execute, plan)
+            loop = asyncio.get_running_loop()
+            outcome = await loop.run_in_executor(self._forward_thread, self._execute, plan)
             await self._publish(outcome)
             self.last_step_id = plan.step_id
         if entries:

@@ -167,3 +167,39 @@ def test_launch_restarts_a_dead_worker_and_serves_again(launched):
     assert response.json()["generated_text"].startswith(", there was a little girl")
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=60) == 0
+
+
+def test_launch_starts_several_groups_that_all_serve(start):
+    """--num-groups 2: two scheduler/worker pairs on their own groups (and metrics ports)
+    behind one gateway; `textgen queue` lists both, and both take requests."""
+    metrics_port = free_port()
+    process, port, ready = start("--num-groups", "2", "--metrics-port", str(metrics_port))
+    redis_url = ready.split("redis ")[1].rstrip(")\n")
+    argvs = [
+        Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        for pid in children_of(process.pid)
+    ]
+    groups = sorted(argv[argv.index(b"--group") + 1] for argv in argvs if b"--group" in argv)
+    assert groups == [b"0", b"0", b"1", b"1"]  # a worker and a scheduler each
+    body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 4}}
+    for _ in range(6):
+        response = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+    queue = subprocess.run(
+        [sys.executable, "-m", "services.launcher.cli", "queue", "--redis-url", redis_url]
+        + ["--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "NAMESPACE": "textgen"},
+    )
+    assert queue.returncode == 0, queue.stderr
+    listed = json.loads(queue.stdout)["groups"]
+    assert sorted(g["group"] for g in listed) == ["0", "1"]
+    assert all(g["state"] == "ok" for g in listed), listed
+    for offset in range(4):  # scheduler 0, worker 0, scheduler 1, worker 1
+        metrics = httpx.get(f"http://127.0.0.1:{metrics_port + offset}/metrics", timeout=10)
+        assert metrics.status_code == 200
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 0
