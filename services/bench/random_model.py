@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +89,8 @@ def build_random_model(
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    folder.mkdir(parents=True, exist_ok=True)
+    final, folder = folder, folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+    folder.mkdir(parents=True, exist_ok=True)  # renamed into place once complete
     lines = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))]
     train_tokenizer(folder, lines, vocab_size=1024)
     (folder / "tokenizer_config.json").write_text(
@@ -110,4 +112,8 @@ def build_random_model(
     model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype)).eval()
     model.save_pretrained(folder, safe_serialization=True)
     GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID).save_pretrained(folder)
-    return folder
+    if final.exists():  # another process built it meanwhile
+        shutil.rmtree(folder)
+    else:
+        folder.rename(final)
+    return final

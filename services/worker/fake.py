@@ -36,6 +36,9 @@ class FakeRunner(ModelRunner):
 
     def __init__(self, *args, step_ms: float, vocab_size: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        # no real compute here: one thread, so no OpenMP team spins between the tiny tensor
+        # ops of each step (it cost a third of a core per simulated group)
+        torch.set_num_threads(1)
         self.step_s = step_ms / 1000
         self.vocab_size = vocab_size
 

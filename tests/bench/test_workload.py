@@ -4,12 +4,14 @@ lengths stay in range; datasets are read and cycled."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
 from services.bench.workload import (
     dataset_workload,
     parse_range,
+    prompt_of_length,
     synthetic_workload,
     tokenizer_counter,
 )
@@ -61,3 +63,15 @@ def test_dataset_cycles_and_defaults(tmp_path):
     path.write_text('{"text": "no prompt"}\n')
     with pytest.raises(ValueError, match="prompts.jsonl:1"):
         dataset_workload(path, 1, 30)
+
+
+def test_shared_prefix_starts_every_prompt(count_tokens):
+    cases = synthetic_workload(6, (8, 24), (4, 4), count_tokens, seed=3, shared_prefix_len=100)
+    prefix = prompt_of_length(100, count_tokens, random.Random(~3)) + " "
+    assert count_tokens(prefix.rstrip()) == 100
+    for case in cases:
+        assert case.prompt.startswith(prefix)
+        # the prefix, then the drawn length (one BOS between them, the joining space)
+        assert 100 + 8 - 2 <= count_tokens(case.prompt) <= 100 + 24 + 1
+    assert len({case.prompt for case in cases}) == 6
+    assert synthetic_workload(6, (8, 24), (4, 4), count_tokens, seed=3) != cases

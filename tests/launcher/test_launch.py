@@ -176,8 +176,7 @@ def test_launch_starts_several_groups_that_all_serve(start):
     process, port, ready = start("--num-groups", "2", "--metrics-port", str(metrics_port))
     redis_url = ready.split("redis ")[1].rstrip(")\n")
     argvs = [
-        Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        for pid in children_of(process.pid)
+        Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in children_of(process.pid)
     ]
     groups = sorted(argv[argv.index(b"--group") + 1] for argv in argvs if b"--group" in argv)
     assert groups == [b"0", b"0", b"1", b"1"]  # a worker and a scheduler each

@@ -23,23 +23,11 @@ def corpus(num_lines: int = 400) -> list[str]:
 
 
 def train_tokenizer(folder: Path, vocab_size: int = 320) -> int:
-    """Train a byte-level BPE tokenizer with <s> prepended, save it; return the vocab size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    """Train a byte-level BPE tokenizer with <s> prepended, save it with its config (and a
+    chat template); return the vocab size."""
+    from services.bench.random_model import train_tokenizer as train_bpe
 
-    tokenizer = Tokenizer(models.BPE(unk_token=None))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(corpus(), trainer=trainer)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
-    )
-    tokenizer.save(str(folder / "tokenizer.json"))
+    vocab_size = train_bpe(folder, corpus(), vocab_size)
     (folder / "tokenizer_config.json").write_text(
         json.dumps(
             {
@@ -56,7 +44,7 @@ def train_tokenizer(folder: Path, vocab_size: int = 320) -> int:
             }
         )
     )
-    return tokenizer.get_vocab_size()
+    return vocab_size
 
 
 def make_tiny_llama(folder: Path, seed: int = 0, num_layers: int = 2) -> Path:

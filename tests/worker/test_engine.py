@@ -26,3 +26,7 @@ def test_generate_matches_transformers_for_a_batch_of_text_prompts(stories_model
         assert output.finish_reason == FinishReason.LENGTH and output.num_prompt_tokens == len(ids)
     assert max(engine.stats.step_sizes) == 3
     assert engine.scheduler.blocks.num_free_blocks == 256
+    # a gap between each two consecutive tokens of a request, none before a first token
+    assert len(engine.stats.token_gaps) == 3 * (24 - 1)
+    assert all(gap > 0 for gap in engine.stats.token_gaps)
+    assert engine.num_unfinished == 0
