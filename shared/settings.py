@@ -16,6 +16,10 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# --quantize values (TGI's names): bitsandbytes int8/nf4/fp4 quantize while loading; gptq and
+# awq load checkpoints quantized ahead of time
+QUANTIZE_METHODS = ("bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "gptq", "awq")
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="", extra="ignore", populate_by_name=True)
@@ -84,7 +88,9 @@ class Settings(BaseSettings):
         None, description="bytes for the KV cache; default: a share of free memory"
     )
     num_shard: int = Field(1, description="tensor-parallel ranks in the worker group")
-    quantize: str | None = None
+    quantize: Literal[QUANTIZE_METHODS] | None = Field(  # type: ignore[valid-type]
+        None, description="quantize while loading (bitsandbytes*) or load a gptq/awq checkpoint"
+    )
     trust_remote_code: bool = False
     fake_step_ms: float | None = Field(
         None, description="simulate the worker: each step takes this long, no model is loaded"

@@ -57,11 +57,12 @@ class Engine:
         steps_in_flight: int = 2,
         dtype: str = "auto",
         device: str | None = None,
+        quantize: str | None = None,
     ) -> None:
         self.loaded = (
             model_id
             if isinstance(model_id, LoadedModel)
-            else load_model(model_id, dtype=dtype, device=device)
+            else load_model(model_id, dtype=dtype, device=device, quantize=quantize)
         )
         if num_blocks is None:
             budget = kv_cache_memory or default_budget(self.loaded.device)

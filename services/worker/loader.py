@@ -6,11 +6,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from services.worker import paged_attention
 from services.worker.kv_cache import CacheShape
+from services.worker.quantization import QuantizationError, quantization_config
 from shared.model_files import context_length, eos_token_ids, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,7 @@ def load_model(
     dtype: str = "auto",
     device: str | None = None,
     trust_remote_code: bool = False,
+    quantize: str | None = None,
 ) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -104,13 +107,27 @@ def load_model(
     torch_dtype = pick_dtype(
         dtype, target, config_dtype if isinstance(config_dtype, torch.dtype) else None
     )
-    model = AutoModelForCausalLM.from_pretrained(
-        folder,
-        dtype=torch_dtype,
-        attn_implementation=paged_attention.ATTENTION_NAME,
-        trust_remote_code=trust_remote_code,
-    )
-    model.to(target).eval()
+    extra: dict[str, Any] = {}
+    if quantize:  # quantized weights are placed while loading and cannot be moved after
+        extra["device_map"] = {"": target}
+        extra["quantization_config"] = quantization_config(quantize, config, torch_dtype)
+        if extra["quantization_config"] is None:
+            del extra["quantization_config"]  # gptq/awq: the checkpoint's own
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder,
+            dtype=torch_dtype,
+            attn_implementation=paged_attention.ATTENTION_NAME,
+            trust_remote_code=trust_remote_code,
+            **extra,
+        )
+    except ImportError as exc:  # a quantization backend transformers wants is missing
+        raise QuantizationError(
+            f"cannot load {model_id} with --quantize {quantize}: {exc}"
+        ) from exc
+    if not quantize:
+        model.to(target)
+    model.eval()
     text_config = config.get_text_config()
     num_heads = text_config.num_attention_heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
@@ -120,7 +137,14 @@ def load_model(
         head_dim=head_dim,
         dtype=torch_dtype,
     )
-    log.info("loaded %s (%s, %s) from %s", model_id, torch_dtype, target, folder)
+    log.info(
+        "loaded %s (%s%s, %s) from %s",
+        model_id,
+        torch_dtype,
+        f", {quantize}" if quantize else "",
+        target,
+        folder,
+    )
     return LoadedModel(
         model=model,
         folder=folder,

@@ -8,6 +8,7 @@ import signal
 
 from services.worker.fake import fake_model
 from services.worker.loader import UnsupportedModel, load_model
+from services.worker.quantization import QuantizationError
 from services.worker.service import WorkerService
 from shared.bus import connect, wait_for_redis
 from shared.model_files import ModelNotFound
@@ -43,6 +44,7 @@ async def serve(settings: Settings) -> None:
             settings.dtype,
             settings.device,
             settings.trust_remote_code,
+            settings.quantize,
         )
     service = WorkerService(settings, loaded, redis)
     holder.append(service)
@@ -58,9 +60,7 @@ def run(settings: Settings) -> None:
     setup_tracing("worker", settings.otlp_endpoint)
     if settings.num_shard != 1:
         raise SystemExit("--num-shard > 1 is not supported yet")
-    if settings.quantize:
-        raise SystemExit(f"--quantize {settings.quantize} is not supported yet")
     try:
         asyncio.run(serve(settings))
-    except (UnsupportedModel, ModelNotFound) as exc:
+    except (UnsupportedModel, ModelNotFound, QuantizationError) as exc:
         raise SystemExit(f"textgen worker: {exc}") from exc

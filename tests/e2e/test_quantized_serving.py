@@ -1,0 +1,50 @@
+"""A worker group started with --quantize bitsandbytes-nf4 serves over HTTP what transformers
+generates with the same BitsAndBytesConfig, alone and in a concurrent batch; a worker given a
+gptq flag for a full-precision checkpoint exits with a clear message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.support.reference import greedy_continuation, tokenizer
+from tests.worker.test_quantization import hf_quantized
+
+pytest.importorskip("bitsandbytes")
+pytestmark = pytest.mark.integration
+
+PROMPTS = ["the cat sat on", "once upon a time there was", "a dog ran", "red blue sky"]
+
+
+def test_nf4_group_serves_transformers_greedy_output(own_cluster, tiny_llama):
+    cluster = own_cluster("--quantize", "bitsandbytes-nf4", num_groups=1)
+    reference = hf_quantized(tiny_llama, "bitsandbytes-nf4")
+    expected = [
+        greedy_continuation(reference, tokenizer(tiny_llama)(p).input_ids, 10, [2]) for p in PROMPTS
+    ]
+
+    def generate(prompt: str) -> list[int]:
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": 10, "details": True}}
+        response = httpx.post(f"{cluster.gateway_urls[0]}/generate", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return [token["id"] for token in response.json()["details"]["tokens"]]
+
+    assert [generate(p) for p in PROMPTS] == expected  # one at a time
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # together
+        assert list(pool.map(generate, PROMPTS)) == expected
+
+
+def test_gptq_flag_on_a_full_precision_checkpoint_is_refused(tiny_llama, redis_url):
+    argv = [sys.executable, "-m", "services.launcher.cli", "worker", "--model-id"]
+    argv += [str(tiny_llama), "--quantize", "gptq", "--redis-url", redis_url]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "needs a checkpoint quantized with GPTQ" in result.stderr
+    bad = subprocess.run(
+        [*argv[:-4], "--quantize", "int3"], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2 and "quantize: Input should be 'bitsandbytes'" in bad.stderr

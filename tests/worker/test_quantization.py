@@ -1,0 +1,59 @@
+"""--quantize: bitsandbytes int8 and nf4 on CPU through the paged engine, greedy-equal to
+transformers loaded with the same BitsAndBytesConfig, alone and batched; clear errors for
+what cannot load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine import Engine
+from services.worker.quantization import QuantizationError, quantization_config
+from tests.support.reference import greedy_continuation
+
+pytest.importorskip("bitsandbytes")
+
+PROMPTS = [[1, 5, 9, 13, 20], [1, 40, 41, 42], [1, *range(60, 90)]]
+
+
+def hf_quantized(folder, method: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = quantization_config(method, AutoConfig.from_pretrained(folder), torch.float32)
+    return AutoModelForCausalLM.from_pretrained(
+        folder,
+        dtype=torch.float32,
+        quantization_config=config,
+        device_map="cpu",
+        attn_implementation="sdpa",
+    ).eval()
+
+
+@pytest.mark.parametrize(
+    ("method", "layer_class"),
+    [("bitsandbytes", "Linear8bitLt"), ("bitsandbytes-nf4", "Linear4bit")],
+)
+def test_greedy_equals_transformers_with_the_same_config(tiny_llama, method, layer_class):
+    engine = Engine(str(tiny_llama), num_blocks=64, quantize=method)
+    q_proj = engine.loaded.model.model.layers[0].self_attn.q_proj
+    assert type(q_proj).__name__ == layer_class  # really quantized, not silently full precision
+    reference = hf_quantized(tiny_llama, method)
+    expected = [greedy_continuation(reference, ids, 12, [2]) for ids in PROMPTS]
+    alone = [engine.generate([ids], max_new_tokens=12)[0].token_ids for ids in PROMPTS]
+    batched = [out.token_ids for out in engine.generate(PROMPTS, max_new_tokens=12)]
+    assert alone == expected
+    assert batched == expected
+    full_precision = Engine(str(tiny_llama), num_blocks=64).generate(PROMPTS, max_new_tokens=12)
+    assert [o.token_ids for o in full_precision] != expected  # the quantization shows
+
+
+def test_prequantized_methods_need_such_a_checkpoint(tiny_llama):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_llama)
+    for method in ("gptq", "awq"):
+        with pytest.raises(QuantizationError, match=f"quantized with {method.upper()}.*has none"):
+            quantization_config(method, config, torch.float32)
+    with pytest.raises(QuantizationError, match="unknown; choose one of bitsandbytes"):
+        quantization_config("int3", config, torch.float32)
+    assert quantization_config(None, config, torch.float32) is None
