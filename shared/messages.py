@@ -58,6 +58,17 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     watermark: bool = False  # bias toward a green list seeded by the previous token (Kirchenbauer)
     prefill_logprobs: bool = False  # also return the logprob of every prompt token
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Argmax of the raw logits: no draw, no penalty, no watermark. Such a token depends on
+        its own logits only, so speculative proposals can be verified in one pass."""
+        return not (
+            self.do_sample
+            or self.watermark
+            or self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+        )
+
 
 class StoppingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Token-level stop rules, applied by the worker (stop strings are the gateway's)."""
@@ -142,6 +153,8 @@ class StepResult(Message):
     sample_s: float = 0.0  # seconds spent sampling
     step_s: float = 0.0  # seconds from reading the plan to publishing the tokens
     error: str = ""  # non-empty: the step failed and every request in it failed with this
+    num_draft_tokens: int = 0  # speculative proposals computed in the forward pass
+    num_accepted_tokens: int = 0  # of those, the ones greedy decoding confirmed
 
 
 class TopToken(msgspec.Struct, omit_defaults=True, kw_only=True, array_like=True):
@@ -186,6 +199,7 @@ class WorkerReady(Message):
     dtype: str = ""  # weight/KV dtype, e.g. "float32"
     device: str = ""  # "cpu", "cuda:0", ...
     world_size: int = 1  # ranks in the tensor-parallel group
+    num_speculative_tokens: int = 0  # n-gram proposals the worker adds to a greedy decode step
     started_at: float = 0.0  # unix s
 
 

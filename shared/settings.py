@@ -92,6 +92,9 @@ class Settings(BaseSettings):
         None, description="quantize while loading (bitsandbytes*) or load a gptq/awq checkpoint"
     )
     trust_remote_code: bool = False
+    speculate: int = Field(
+        0, description="tokens proposed per step by n-gram prompt lookup (greedy requests)"
+    )
     fake_step_ms: float | None = Field(
         None, description="simulate the worker: each step takes this long, no model is loaded"
     )
@@ -120,6 +123,8 @@ class Settings(BaseSettings):
             raise ValueError("block_size must be > 0")
         if self.num_groups <= 0:
             raise ValueError("num_groups must be > 0")
+        if not 0 <= self.speculate <= 16:
+            raise ValueError("speculate must be between 0 and 16")
         if (
             self.max_input_tokens is not None
             and self.max_total_tokens is not None

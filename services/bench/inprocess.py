@@ -30,7 +30,7 @@ def find_engine() -> Any | None:
 
 
 def run_inprocess(
-    model_dir: Path, cases: list[Case], concurrency: int | None = None
+    model_dir: Path, cases: list[Case], concurrency: int | None = None, speculate: int = 0
 ) -> dict[str, Any]:
     """{"available": False, "message"} without an engine; else its tokens/s on `cases`, at
     most `concurrency` requests in the engine at once (a new one as soon as one ends, like
@@ -38,11 +38,14 @@ def run_inprocess(
     engine_class = find_engine()
     if engine_class is None:
         return {"available": False, "message": "in-process engine not available yet"}
-    engine = engine_class(str(model_dir))
+    engine = engine_class(str(model_dir), speculate=speculate)
     tokenized = [engine.tokenizer.encode(case.prompt).ids for case in cases]
     engine.add(tokenized[0], 2)  # warm-up: first forward pass outside the timing
     engine.run()
-    before, gaps_before = engine.stats.num_generated_tokens, len(engine.stats.token_gaps)
+    stats = engine.stats
+    before, gaps_before = stats.num_generated_tokens, len(stats.token_gaps)
+    steps_before, drafts_before = stats.num_steps, stats.num_draft_tokens
+    accepted_before = stats.num_accepted_tokens
     limit = concurrency or len(cases)
     waiting = list(zip(tokenized, cases, strict=True))[::-1]
     started = time.perf_counter()
@@ -62,7 +65,12 @@ def run_inprocess(
         "generated_tokens": num_tokens,
         "wall_s": round(wall_s, 3),
         "concurrency": limit,
-        "itl": Summary.of(engine.stats.token_gaps[gaps_before:]).as_ms(),
+        "itl": Summary.of(stats.token_gaps[gaps_before:]).as_ms(),
+        # forward passes per generated token (1.0 without speculation when every step decodes)
+        "steps_per_token": round((stats.num_steps - steps_before) / max(1, num_tokens), 3),
+        "speculate": speculate,
+        "draft_tokens": stats.num_draft_tokens - drafts_before,
+        "accepted_tokens": stats.num_accepted_tokens - accepted_before,
     }
 
 

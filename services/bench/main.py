@@ -134,6 +134,13 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
         help="time in-process decode steps at batch 32 against this machine's matmul ceiling",
     )
     parser.add_argument(
+        "--speculate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="n-gram speculation on the launched server and the in-process engine",
+    )
+    parser.add_argument(
         "--launch-arg",
         action="append",
         default=[],
@@ -255,6 +262,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         model_dir = resolve_model_dir(args.model_id)
     cases, workload = build_workload(args, model_dir)
+    if args.speculate:
+        args.launch_arg = [*args.launch_arg, "--speculate", str(args.speculate)]
     with server(args.url, str(model_dir), args.launch_arg) as url:
         dtype = served_dtype(url) or "float32"
         runs = run_levels(url, cases, args)
@@ -273,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compare_inprocess:
         first = runs[0] if runs and runs[0].mode == "concurrency" else None
         report["baselines"]["inprocess"] = run_inprocess(
-            model_dir, cases, int(first.value) if first else None
+            model_dir, cases, int(first.value) if first else None, args.speculate
         )
     add_ratios(report)
     if args.compare_prefix_caching:

@@ -89,6 +89,11 @@ def format_baseline(name: str, baseline: dict[str, Any], levels: list[dict[str, 
         for level in levels
     )
     extra = f"  greedy equal {baseline['greedy_equal']}" if "greedy_equal" in baseline else ""
+    if "steps_per_token" in baseline:
+        extra += f"  forward passes/token {baseline['steps_per_token']:.3f}"
+        if baseline.get("draft_tokens"):
+            rate = baseline["accepted_tokens"] / baseline["draft_tokens"]
+            extra += f" (speculate {baseline['speculate']}: {rate:.0%} of proposals accepted)"
     if "itl" in baseline:
         extra += f"  itl p50 {_fmt(baseline['itl']['p50_ms'])} ms" + "".join(
             f" ({_label(level)} +{_fmt(level['itl']['p50_ms'] - baseline['itl']['p50_ms'])})"

@@ -35,6 +35,8 @@ class EngineStats:
     num_steps: int = 0
     num_generated_tokens: int = 0
     step_sizes: list[int] = field(default_factory=list)  # requests per step
+    num_draft_tokens: int = 0  # speculative proposals computed
+    num_accepted_tokens: int = 0  # of those, confirmed
     # s between consecutive tokens of a request, as the caller sees them (the in-process
     # counterpart of the server's inter-token latency)
     token_gaps: list[float] = field(default_factory=list)
@@ -58,6 +60,7 @@ class Engine:
         dtype: str = "auto",
         device: str | None = None,
         quantize: str | None = None,
+        speculate: int = 0,
     ) -> None:
         self.loaded = (
             model_id
@@ -75,6 +78,7 @@ class Engine:
             self.loaded.eos_token_ids,
             self.loaded.max_model_len,
             self.loaded.device,
+            num_speculative_tokens=speculate,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -83,6 +87,7 @@ class Engine:
                 max_batch_prefill_tokens=max_batch_prefill_tokens,
                 max_batch_size=max_batch_size,
                 enable_prefix_caching=enable_prefix_caching,
+                num_speculative_tokens=speculate,
             ),
             clock=time.time,
         )
@@ -153,6 +158,8 @@ class Engine:
 
     def _answer(self, outcome: StepOutcome) -> None:
         now = time.perf_counter()
+        self.stats.num_draft_tokens += outcome.result.num_draft_tokens
+        self.stats.num_accepted_tokens += outcome.result.num_accepted_tokens
         for events in outcome.events.values():
             for event in events:
                 if event.token_ids:

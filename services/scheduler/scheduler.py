@@ -41,6 +41,7 @@ class SchedulerConfig:
     max_batch_size: int = 256  # requests per step
     watermark_blocks: int = 0  # blocks kept free when admitting, so decodes rarely preempt
     enable_prefix_caching: bool = True  # reuse cached blocks of equal prompt prefixes
+    num_speculative_tokens: int = 0  # n-gram proposals the worker may add to a greedy decode
 
 
 @dataclass
@@ -125,6 +126,9 @@ class Scheduler:
             if request is None:
                 continue  # aborted (or finished in an earlier step) while the step ran
             request.token_ids.extend(output.token_ids)
+            if request.status == RequestStatus.RUNNING and len(output.token_ids) > 1:
+                # speculation: every token but the last was computed in that forward pass
+                request.num_computed_tokens += len(output.token_ids) - 1
             if request.status == RequestStatus.RUNNING:  # computed now: shareable
                 self._register_computed_blocks(request, computed_by_id.get(request.request_id, 0))
             if output.finish_reason is not None:
@@ -164,7 +168,7 @@ class Scheduler:
             if num_tokens <= 0:
                 index += 1
                 continue
-            new_block_ids = self._grow(request, num_tokens)
+            new_block_ids = self._grow(request, num_tokens + self._lookahead(request, num_tokens))
             if new_block_ids is None:  # no blocks left: preempt the newest request
                 victim = self.running[-1]
                 self._preempt(victim, scheduled)
@@ -234,6 +238,19 @@ class Scheduler:
         for index in range(request.num_hashed_blocks, num_full):
             self.blocks.register(request.block_ids[index], hashes[index])
         request.num_hashed_blocks = num_full
+
+    def _lookahead(self, request: SchedRequest, num_tokens: int) -> int:
+        """KV slots to hold beyond a greedy decode for the worker's speculative proposals: up to
+        N per step in flight, since a step planned before the previous one is answered starts
+        where that one's accepted proposals end. Never past the request's last token."""
+        n = self.config.num_speculative_tokens
+        if not n or num_tokens != 1 or not request.message.sampling.is_plain_greedy:
+            return 0
+        if request.num_computed_tokens + 1 != request.num_known_tokens:
+            return 0  # not a decode (a prompt chunk ends here)
+        remaining = request.num_prompt_tokens + request.message.stopping.max_new_tokens
+        remaining -= request.num_computed_tokens + 1
+        return max(0, min(n * (1 + request.num_inflight_samples), remaining))
 
     def _grow(self, request: SchedRequest, num_tokens: int) -> list[int] | None:
         """Blocks to add so the request can compute num_tokens more; None if not enough."""

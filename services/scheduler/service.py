@@ -140,6 +140,7 @@ class SchedulerService:
             max_batch_size=min(self.settings.max_batch_size, ready.max_batch_size),
             watermark_blocks=max(1, ready.num_blocks // 100),
             enable_prefix_caching=not self.settings.disable_prefix_caching,
+            num_speculative_tokens=ready.num_speculative_tokens,
         )
         for lane in self.channels.lanes:
             await ensure_group(self.redis, lane, SCHEDULER_GROUP)

@@ -45,6 +45,13 @@ class WorkerMetrics:
         self.generated_tokens = Counter(
             "textgen_worker_generated_tokens", "tokens sampled", registry=r
         )
+        # speculation: acceptance rate = accepted / draft
+        self.draft_tokens = Counter(
+            "textgen_worker_speculative_draft_tokens", "n-gram proposals computed", registry=r
+        )
+        self.accepted_tokens = Counter(
+            "textgen_worker_speculative_accepted_tokens", "proposals greedy confirmed", registry=r
+        )
         self.step_failures = Counter(
             "textgen_worker_step_failures", "steps that raised", registry=r
         )

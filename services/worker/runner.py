@@ -21,6 +21,7 @@ from services.worker.paged_attention import (
     make_decode_group,
 )
 from services.worker.sampling import Sampled, needs_own_row, sample_greedy_batch, sample_one
+from services.worker.speculation import accepted, propose
 from services.worker.state import RequestState, stop_reason
 from shared.messages import RequestOutput, StepPlan, StepResult, TokenEvent
 from shared.telemetry import record_span
@@ -44,6 +45,8 @@ class PackedBatch:
     prompt_rows: list[int]  # packed rows whose logits score the next prompt token
     prompt_targets: list[int]  # the prompt token each of prompt_rows scores
     prompt_owners: list[RequestState]  # the request of each of prompt_rows
+    draft_rows: list[int]  # packed rows of speculative proposals (their logits verify)
+    draft_owners: list[RequestState]  # the request of each of draft_rows
 
 
 class ModelRunner:
@@ -54,8 +57,10 @@ class ModelRunner:
         eos_token_ids: list[int],
         max_model_len: int,
         device: torch.device,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.model = model
+        self.num_speculative_tokens = num_speculative_tokens  # n-gram proposals per step
         self.kv_cache = kv_cache
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
@@ -73,13 +78,14 @@ class ModelRunner:
             logits = self._forward(batch)
             forward_s = time.perf_counter() - forward_started
             sample_started = time.perf_counter()
-            samples = self._sample(batch.sampling, logits)
+            samples = self._sample(batch, logits)
             sample_s = time.perf_counter() - sample_started
         except Exception as exc:  # the whole step fails; every request in it ends
             log.exception("step %d failed", plan.step_id)
             return self._fail(plan.step_id, scheduled, f"{type(exc).__name__}: {exc}")
         outcome = self._advance(plan.step_id, scheduled, samples)
         outcome.result.num_tokens = int(batch.input_ids.shape[1])
+        outcome.result.num_draft_tokens = len(batch.draft_rows)
         outcome.result.forward_s = forward_s
         outcome.result.sample_s = sample_s
         outcome.result.step_s = time.perf_counter() - started
@@ -117,19 +123,25 @@ class ModelRunner:
         prompt_rows: list[int] = []
         prompt_targets: list[int] = []
         prompt_owners: list[RequestState] = []
+        draft_rows: list[int] = []
+        draft_owners: list[RequestState] = []
         for state in scheduled:
             start = state.num_computed_tokens
             end = start + state.num_scheduled_tokens
-            input_ids.extend(state.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots = self.kv_cache.slots(state.block_ids, end)  # [end]
-            slot_chunks.append(slots[start:end])
+            state.draft_ids = self._drafts(state, end)
+            stop = end + len(state.draft_ids)  # drafts are computed after the real tokens
+            input_ids.extend(state.token_ids[start:end] + state.draft_ids)
+            positions.extend(range(start, stop))
+            slots = self.kv_cache.slots(state.block_ids, stop)  # [stop]
+            slot_chunks.append(slots[start:stop])
             context_slots.append(slots.to(self.device))
-            context_lens.append(end)
-            query_start.append(query_start[-1] + end - start)
+            context_lens.append(stop)
+            query_start.append(query_start[-1] + stop - start)
             if state.samples_this_step:
-                sample_rows.append(query_start[-1] - 1)
+                sample_rows.append(query_start[-1] - 1 - len(state.draft_ids))
                 sampling.append(state)
+                draft_rows.extend(range(query_start[-1] - len(state.draft_ids), query_start[-1]))
+                draft_owners.extend([state] * len(state.draft_ids))
             if state.wants_prompt_logprobs:
                 if start == 0:
                     state.prompt_logprobs = [float("nan")]  # nothing precedes the first token
@@ -137,7 +149,9 @@ class ModelRunner:
                     prompt_rows.append(query_start[-2] + position - start)
                     prompt_targets.append(state.token_ids[position + 1])
                     prompt_owners.append(state)
-        decode_indices = [i for i, s in enumerate(scheduled) if s.num_scheduled_tokens == 1]
+        decode_indices = [
+            i for i, s in enumerate(scheduled) if s.num_scheduled_tokens == 1 and not s.draft_ids
+        ]
         metadata = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=torch.cat(slot_chunks).to(self.device),
@@ -164,14 +178,35 @@ class ModelRunner:
             prompt_rows=prompt_rows,
             prompt_targets=prompt_targets,
             prompt_owners=prompt_owners,
+            draft_rows=draft_rows,
+            draft_owners=draft_owners,
         )
+
+    def _drafts(self, state: RequestState, end: int) -> list[int]:
+        """n-gram proposals for a plain greedy decode, as many as its blocks, its
+        max_new_tokens and the context length leave room for."""
+        if not (
+            self.num_speculative_tokens
+            and state.num_scheduled_tokens == 1
+            and state.samples_this_step
+            and state.sampling.is_plain_greedy
+        ):
+            return []
+        room = min(
+            self.num_speculative_tokens,
+            len(state.block_ids) * self.kv_cache.block_size - end,
+            state.stopping.max_new_tokens - state.num_generated - 1,
+            self.max_model_len - len(state.token_ids) - 1,
+        )
+        return propose(state.token_ids, room)
 
     @torch.inference_mode()
     def _forward(self, batch: PackedBatch) -> torch.Tensor:
-        """Logits of the sampling rows. [num_sampling, vocab]"""
-        if batch.prompt_rows:
-            prompt_rows = torch.tensor(batch.prompt_rows, dtype=torch.long, device=self.device)
-            logits_to_keep: int | torch.Tensor = torch.cat([batch.sample_rows, prompt_rows])
+        """Logits of the sampling rows, then of the draft rows. [num_sampling + drafts, vocab]"""
+        extra = batch.draft_rows + batch.prompt_rows
+        if extra:
+            extra_rows = torch.tensor(extra, dtype=torch.long, device=self.device)
+            logits_to_keep: int | torch.Tensor = torch.cat([batch.sample_rows, extra_rows])
         elif not batch.sampling:
             logits_to_keep = 1  # nothing samples; keep the cost minimal
         else:
@@ -184,9 +219,10 @@ class ModelRunner:
             **{METADATA_KWARG: batch.metadata},
         )
         logits = output.logits[0]
+        num_kept = len(batch.sampling) + len(batch.draft_rows)
         if batch.prompt_rows:
-            self._score_prompt(batch, logits[len(batch.sampling) :])
-        return logits[: len(batch.sampling)]
+            self._score_prompt(batch, logits[num_kept:])
+        return logits[:num_kept]
 
     @staticmethod
     def _score_prompt(batch: PackedBatch, logits: torch.Tensor) -> None:
@@ -196,7 +232,21 @@ class ModelRunner:
         for owner, logprob in zip(batch.prompt_owners, logprobs, strict=True):
             owner.prompt_logprobs.append(logprob)
 
-    def _sample(self, sampling: list[RequestState], logits: torch.Tensor) -> list[Sampled]:
+    def _sample(self, batch: PackedBatch, logits: torch.Tensor) -> list[list[Sampled]]:
+        """Per sampling request: its token, then the greedy token after each of its drafts."""
+        sampling = batch.sampling
+        candidates = [[sample] for sample in self._sample_rows(sampling, logits)]
+        if batch.draft_rows:
+            draft_logits = logits[len(sampling) :]
+            verified = sample_greedy_batch(
+                draft_logits, [owner.sampling.top_n_tokens for owner in batch.draft_owners]
+            )
+            index = {id(state): i for i, state in enumerate(sampling)}
+            for owner, sample in zip(batch.draft_owners, verified, strict=True):
+                candidates[index[id(owner)]].append(sample)
+        return candidates
+
+    def _sample_rows(self, sampling: list[RequestState], logits: torch.Tensor) -> list[Sampled]:
         samples: list[Sampled | None] = [None] * len(sampling)
         greedy_rows = [i for i, s in enumerate(sampling) if not needs_own_row(s.sampling)]
         if greedy_rows:
@@ -213,34 +263,47 @@ class ModelRunner:
         return samples  # type: ignore[return-value]
 
     def _advance(
-        self, step_id: int, scheduled: list[RequestState], samples: list[Sampled]
+        self, step_id: int, scheduled: list[RequestState], samples: list[list[Sampled]]
     ) -> StepOutcome:
         sampling_iter = iter(samples)
         events: dict[str, list[TokenEvent]] = defaultdict(list)
         outputs: list[RequestOutput] = []
+        num_accepted = 0
         now = time.time()
         for state in scheduled:
             is_sampling = state.samples_this_step
-            state.num_computed_tokens += state.num_scheduled_tokens
             state.num_steps += 1
             state.first_step_at = state.first_step_at or now
             if not is_sampling:
+                state.num_computed_tokens += state.num_scheduled_tokens
                 outputs.append(RequestOutput(request_id=state.request_id))
                 continue
-            sample = next(sampling_iter)
-            state.token_ids.append(sample.token_id)
-            reason = stop_reason(state, sample.token_id, self.eos_token_ids, self.max_model_len)
+            candidates = next(sampling_iter)
+            emitted = accepted(state.draft_ids, [c.token_id for c in candidates])
+            # the accepted drafts' keys and values were computed from the right tokens
+            state.num_computed_tokens += state.num_scheduled_tokens + len(emitted) - 1
+            num_accepted += len(emitted) - 1
+            first_index = state.num_generated + 1
+            taken: list[Sampled] = []
+            reason = None
+            for sample in candidates[: len(emitted)]:
+                state.token_ids.append(sample.token_id)
+                taken.append(sample)
+                reason = stop_reason(state, sample.token_id, self.eos_token_ids, self.max_model_len)
+                if reason is not None:
+                    break
+            token_ids = [sample.token_id for sample in taken]
             outputs.append(
                 RequestOutput(
-                    request_id=state.request_id, token_ids=[sample.token_id], finish_reason=reason
+                    request_id=state.request_id, token_ids=token_ids, finish_reason=reason
                 )
             )
             event = TokenEvent(
                 request_id=state.request_id,
-                index=state.num_generated,
-                token_ids=[sample.token_id],
-                logprobs=[sample.logprob],
-                top_tokens=[sample.top_tokens] if sample.top_tokens else [],
+                index=first_index,
+                token_ids=token_ids,
+                logprobs=[sample.logprob for sample in taken],
+                top_tokens=[s.top_tokens for s in taken] if taken[0].top_tokens else [],
                 finish_reason=reason,
             )
             if not state.has_sent_first_event:
@@ -263,7 +326,8 @@ class ModelRunner:
                         "num_generated_tokens": state.num_generated,
                     },
                 )
-        return StepOutcome(StepResult(step_id=step_id, outputs=outputs), dict(events))
+        result = StepResult(step_id=step_id, outputs=outputs, num_accepted_tokens=num_accepted)
+        return StepOutcome(result, dict(events))
 
     def _fail(self, step_id: int, scheduled: list[RequestState], error: str) -> StepOutcome:
         events: dict[str, list[TokenEvent]] = defaultdict(list)

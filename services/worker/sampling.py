@@ -123,9 +123,4 @@ def _top_tokens(log_probs: torch.Tensor, n: int) -> list[TopToken]:
 
 def needs_own_row(params: SamplingParams) -> bool:
     """True when the request cannot take the batched greedy path."""
-    return (
-        params.do_sample
-        or params.watermark
-        or params.repetition_penalty != 1.0
-        or params.frequency_penalty != 0.0
-    )
+    return not params.is_plain_greedy

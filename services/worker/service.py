@@ -60,7 +60,7 @@ class WorkerService:
                 *runner_args, step_ms=settings.fake_step_ms, vocab_size=vocab_size_of(loaded.folder)
             )
         else:
-            self.runner = ModelRunner(*runner_args)
+            self.runner = ModelRunner(*runner_args, num_speculative_tokens=settings.speculate)
         self.last_step_id = 0
         self.started_at = time.time()  # identifies this worker's lifetime to its scheduler
         self._ready_bytes = encode(self.ready_message())
@@ -83,6 +83,7 @@ class WorkerService:
             dtype=str(self.loaded.cache_shape.dtype).removeprefix("torch."),
             device=str(self.loaded.device),
             world_size=self.settings.num_shard,
+            num_speculative_tokens=self.runner.num_speculative_tokens,
             started_at=self.started_at,
         )
 
@@ -183,6 +184,8 @@ class WorkerService:
             self.metrics.tokens_per_s.set(result.num_tokens / result.step_s)
         self.metrics.batch_tokens.observe(result.num_tokens)
         self.metrics.generated_tokens.inc(sum(len(o.token_ids) for o in result.outputs))
+        self.metrics.draft_tokens.inc(result.num_draft_tokens)
+        self.metrics.accepted_tokens.inc(result.num_accepted_tokens)
         self.metrics.requests.set(len(self.runner.requests))
         if result.error:
             self.metrics.step_failures.inc()

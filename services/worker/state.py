@@ -27,6 +27,7 @@ class RequestState:
     is_resumed: bool = False  # arrived with generated tokens: its first event went out before
     first_step_at: float = 0.0  # unix s of its first step on this worker (for its span)
     num_steps: int = 0  # steps it took part in on this worker
+    draft_ids: list[int] = field(default_factory=list)  # speculative proposals of this step
 
     @classmethod
     def from_new(cls, new: NewRequest) -> RequestState:
