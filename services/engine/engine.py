@@ -98,6 +98,7 @@ class Engine:
         self._ids = itertools.count()
         self._outputs: dict[str, list[int]] = {}
         self._num_added = 0
+        self._num_prompt_tokens: dict[str, int] = {}
         self._last_token_at: dict[str, float] = {}  # perf_counter s of each one's last token
         self._finish: dict[str, FinishReason | None] = {}
         self._errors: dict[str, str] = {}
@@ -113,16 +114,22 @@ class Engine:
         return self._tokenizer
 
     def add(
-        self, input_ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None
+        self,
+        input_ids: list[int],
+        max_new_tokens: int,
+        sampling: SamplingParams | None = None,
+        stop_token_ids: list[int] | None = None,
     ) -> str:
-        """Queue one request; its id."""
+        """Queue one request; its id (its Output: `take(request_id)` once run)."""
         request_id = f"e{next(self._ids)}"
         self.scheduler.add(
             GenerateRequest(
                 request_id=request_id,
                 input_ids=input_ids,
                 sampling=sampling or SamplingParams(),
-                stopping=StoppingParams(max_new_tokens=max_new_tokens),
+                stopping=StoppingParams(
+                    max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids or []
+                ),
                 reply_to="",
                 created_at=time.time(),
                 deadline=0.0,
@@ -130,6 +137,7 @@ class Engine:
             b"0-0",
         )
         self._outputs[request_id] = []
+        self._num_prompt_tokens[request_id] = len(input_ids)
         self._num_added += 1
         return request_id
 
@@ -200,13 +208,17 @@ class Engine:
         ]
         request_ids = [self.add(ids, max_new_tokens, sampling) for ids in tokenized]
         self.run()
-        outputs = []
-        for prompt, ids, request_id in zip(prompts, tokenized, request_ids, strict=True):
-            if self._errors.get(request_id):
-                raise RuntimeError(f"request {request_id} failed: {self._errors[request_id]}")
-            token_ids = self._outputs.pop(request_id)
-            text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if token_ids else ""
-            outputs.append(
-                Output(prompt, token_ids, text, self._finish.pop(request_id, None), len(ids))
-            )
-        return outputs
+        return [
+            self.take(request_id, prompt)
+            for prompt, request_id in zip(prompts, request_ids, strict=True)
+        ]
+
+    def take(self, request_id: str, prompt: str | list[int] | None = None) -> Output:
+        """The finished output of an added request (once); raises if it failed."""
+        if self._errors.get(request_id):
+            raise RuntimeError(f"request {request_id} failed: {self._errors.pop(request_id)}")
+        token_ids = self._outputs.pop(request_id)
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if token_ids else ""
+        num_prompt = self._num_prompt_tokens.pop(request_id)
+        finish = self._finish.pop(request_id, None)
+        return Output(prompt if prompt is not None else [], token_ids, text, finish, num_prompt)

@@ -11,7 +11,7 @@ import pytest
 from services.engine import Engine
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.worker.speculation import accepted, propose
-from shared.messages import GenerateRequest, SamplingParams, StoppingParams
+from shared.messages import FinishReason, GenerateRequest, SamplingParams, StoppingParams
 from tests.support.reference import greedy_continuation, reference_model
 
 REPETITIVE = (
@@ -83,23 +83,11 @@ def test_max_new_tokens_and_stop_tokens_are_exact(stories_model, expected):
 
 def _generate_with_stop(folder, prompt_ids, stop_token):
     engine = Engine(str(folder), num_blocks=256, speculate=4)
-    request_id = "stop"
-    engine.scheduler.add(
-        GenerateRequest(
-            request_id=request_id,
-            input_ids=prompt_ids,
-            sampling=SamplingParams(),
-            stopping=StoppingParams(max_new_tokens=60, stop_token_ids=[stop_token]),
-            reply_to="",
-            created_at=time.time(),
-            deadline=0.0,
-        ),
-        b"0-0",
-    )
-    engine._outputs[request_id] = []
-    engine._num_added += 1
+    request_id = engine.add(prompt_ids, 60, stop_token_ids=[stop_token])
     engine.run()
-    return engine._outputs[request_id]
+    output = engine.take(request_id)
+    assert output.finish_reason == FinishReason.EOS_TOKEN
+    return output.token_ids
 
 
 def test_scheduler_reserves_blocks_for_proposals_of_greedy_decodes_only():
