@@ -95,7 +95,10 @@ def load_model(
     device: str | None = None,
     trust_remote_code: bool = False,
     quantize: str | None = None,
+    world_size: int = 1,
 ) -> LoadedModel:
+    """The model, ready for the paged engine. With world_size > 1 the caller has joined a
+    torch.distributed group (services.worker.distributed) and gets this rank's shard."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     paged_attention.register()
@@ -108,6 +111,24 @@ def load_model(
         dtype, target, config_dtype if isinstance(config_dtype, torch.dtype) else None
     )
     extra: dict[str, Any] = {}
+    if world_size > 1:
+        from transformers.distributed import DistributedConfig
+
+        if quantize:
+            raise QuantizationError("--quantize with --num-shard > 1 is not supported yet")
+        text = config.get_text_config()
+        if not getattr(text, "base_model_tp_plan", None):
+            raise UnsupportedModel(
+                f"{config.model_type} has no tensor-parallel plan in transformers: "
+                "serve it with --num-shard 1"
+            )
+        num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        if num_kv_heads % world_size:
+            raise UnsupportedModel(
+                f"--num-shard {world_size} does not divide the model's {num_kv_heads} "
+                "key/value heads"
+            )
+        extra["distributed_config"] = DistributedConfig(tp_plan="auto")
     if quantize:  # quantized weights are placed while loading and cannot be moved after
         extra["device_map"] = {"": target}
         extra["quantization_config"] = quantization_config(quantize, config, torch_dtype)
@@ -125,7 +146,7 @@ def load_model(
         raise QuantizationError(
             f"cannot load {model_id} with --quantize {quantize}: {exc}"
         ) from exc
-    if not quantize:
+    if not quantize and world_size == 1:  # sharded weights are placed while loading
         model.to(target)
     model.eval()
     text_config = config.get_text_config()
@@ -133,7 +154,8 @@ def load_model(
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
     shape = CacheShape(
         num_layers=text_config.num_hidden_layers,
-        num_kv_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
+        # each rank holds its share of the heads (the plan splits them evenly)
+        num_kv_heads=(getattr(text_config, "num_key_value_heads", None) or num_heads) // world_size,
         head_dim=head_dim,
         dtype=torch_dtype,
     )

@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 
+from services.worker.distributed import (
+    PORT_ENV,
+    ShardProcesses,
+    broadcast_int,
+    broadcast_plan,
+    follow,
+    join_group,
+    shard_rank,
+)
 from services.worker.fake import fake_model
-from services.worker.loader import UnsupportedModel, load_model
+from services.worker.kv_cache import PagedKVCache
+from services.worker.loader import LoadedModel, UnsupportedModel, load_model, pick_device
 from services.worker.quantization import QuantizationError
+from services.worker.runner import ModelRunner
 from services.worker.service import WorkerService
 from shared.bus import connect, wait_for_redis
 from shared.model_files import ModelNotFound
@@ -34,33 +46,77 @@ async def serve(settings: Settings) -> None:
         await ops.start()  # /live answers during a long model download
     redis = connect(settings.redis_url)
     await wait_for_redis(redis)
+    shards: ShardProcesses | None = None
+    device = settings.device
+    if settings.num_shard > 1:  # rank 0 of a tensor-parallel group
+        shards = ShardProcesses(settings.num_shard)
+        shard = await asyncio.to_thread(
+            join_group, 0, settings.num_shard, shards.port, pick_device(device)
+        )
+        device = str(shard.device)
     if settings.fake_step_ms is not None:  # simulated worker: no weights
         loaded = await asyncio.to_thread(fake_model, settings.model_id, settings.revision)
     else:
-        loaded = await asyncio.to_thread(
-            load_model,
-            settings.model_id,
-            settings.revision,
-            settings.dtype,
-            settings.device,
-            settings.trust_remote_code,
-            settings.quantize,
-        )
-    service = WorkerService(settings, loaded, redis)
+        loaded = await asyncio.to_thread(_load, settings, device)
+    service = WorkerService(
+        settings, loaded, redis, on_plan=broadcast_plan if shards is not None else None
+    )
+    if shards is not None:
+        await asyncio.to_thread(broadcast_int, service.runner.kv_cache.num_blocks)
+        shards.watch()
     holder.append(service)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, service.request_stop)
     if ops is not None:
         ops.registry = service.metrics.registry
-    await service.run()
+    try:
+        await service.run()
+    finally:
+        if shards is not None:
+            await asyncio.to_thread(shards.stop)
+
+
+def _load(settings: Settings, device: str | None) -> LoadedModel:
+    return load_model(
+        settings.model_id,
+        settings.revision,
+        settings.dtype,
+        device,
+        settings.trust_remote_code,
+        settings.quantize,
+        settings.num_shard,
+    )
+
+
+def follow_rank_0(settings: Settings, rank: int) -> None:
+    """Ranks 1..N-1 of a tensor-parallel group: join, load this rank's shard, size the cache
+    as rank 0 did, then run the plans rank 0 broadcasts."""
+    port = int(os.environ[PORT_ENV])
+    shard = join_group(rank, settings.num_shard, port, pick_device(settings.device))
+    loaded = _load(settings, str(shard.device))
+    num_blocks = broadcast_int(0)
+    cache = PagedKVCache(loaded.cache_shape, num_blocks, settings.block_size, loaded.device)
+    runner = ModelRunner(
+        loaded.model,
+        cache,
+        loaded.eos_token_ids,
+        loaded.max_model_len,
+        loaded.device,
+        num_speculative_tokens=settings.speculate,
+    )
+    follow(runner)
 
 
 def run(settings: Settings) -> None:
     setup_tracing("worker", settings.otlp_endpoint)
-    if settings.num_shard != 1:
-        raise SystemExit("--num-shard > 1 is not supported yet")
+    if settings.num_shard > 1 and settings.fake_step_ms is not None:
+        raise SystemExit("--fake-step-ms simulates one rank: drop --num-shard")
     try:
+        rank = shard_rank()
+        if rank:
+            follow_rank_0(settings, rank)
+            return
         asyncio.run(serve(settings))
     except (UnsupportedModel, ModelNotFound, QuantizationError) as exc:
         raise SystemExit(f"textgen worker: {exc}") from exc

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import redis.asyncio as aioredis
@@ -33,7 +34,14 @@ RESULTS_MAXLEN = 1000
 
 
 class WorkerService:
-    def __init__(self, settings: Settings, loaded: LoadedModel, redis: aioredis.Redis) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        loaded: LoadedModel,
+        redis: aioredis.Redis,
+        on_plan: Callable[[StepPlan], object] | None = None,
+    ) -> None:
+        self.on_plan = on_plan  # tensor parallel: hands each plan to the other ranks first
         self.settings = settings
         self.loaded = loaded
         self.redis = redis
@@ -175,6 +183,8 @@ class WorkerService:
         )
 
     def _execute(self, plan: StepPlan) -> StepOutcome:
+        if self.on_plan is not None:
+            self.on_plan(plan)
         outcome = self.runner.execute(plan)  # per-request spans: see ModelRunner
         result = outcome.result
         self.metrics.step_duration.observe(result.step_s)
