@@ -13,9 +13,10 @@ from typing import Any
 
 from services.scheduler.request import SchedRequest
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.worker.fallback import make_runner
 from services.worker.kv_cache import PagedKVCache, default_budget, plan_num_blocks
 from services.worker.loader import LoadedModel, load_model
-from services.worker.runner import ModelRunner, StepOutcome
+from services.worker.runner import StepOutcome
 from shared.messages import FinishReason, GenerateRequest, SamplingParams, StoppingParams
 
 
@@ -71,23 +72,19 @@ class Engine:
             budget = kv_cache_memory or default_budget(self.loaded.device)
             max_tokens = max_batch_size * self.loaded.max_model_len
             num_blocks = plan_num_blocks(self.loaded.cache_shape, block_size, budget, max_tokens)
-        cache = PagedKVCache(self.loaded.cache_shape, num_blocks, block_size, self.loaded.device)
-        self.runner = ModelRunner(
-            self.loaded.model,
-            cache,
-            self.loaded.eos_token_ids,
-            self.loaded.max_model_len,
-            self.loaded.device,
-            num_speculative_tokens=speculate,
+        is_paged = self.loaded.runner == "paged"
+        cache = PagedKVCache(
+            self.loaded.cache_shape, num_blocks, block_size, self.loaded.device, allocate=is_paged
         )
+        self.runner = make_runner(self.loaded, cache, speculate)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=num_blocks,
                 block_size=block_size,
                 max_batch_prefill_tokens=max_batch_prefill_tokens,
                 max_batch_size=max_batch_size,
-                enable_prefix_caching=enable_prefix_caching,
-                num_speculative_tokens=speculate,
+                enable_prefix_caching=enable_prefix_caching and is_paged,
+                num_speculative_tokens=self.runner.num_speculative_tokens,
             ),
             clock=time.time,
         )

@@ -111,6 +111,9 @@ async def info(request: Request) -> JSONResponse:
             # from a worker group; null until one has loaded the model
             "model_dtype": worker.dtype if worker else None,
             "model_device_type": worker.device.split(":")[0] if worker else None,
+            # "paged": attention reads the paged KV cache; "fallback": each request runs on
+            # the model's own cache (architectures outside transformers' attention interface)
+            "model_runner": worker.runner if worker else None,
         }
     )
 

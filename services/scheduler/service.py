@@ -139,7 +139,9 @@ class SchedulerService:
             max_batch_prefill_tokens=self.settings.max_batch_prefill_tokens,
             max_batch_size=min(self.settings.max_batch_size, ready.max_batch_size),
             watermark_blocks=max(1, ready.num_blocks // 100),
-            enable_prefix_caching=not self.settings.disable_prefix_caching,
+            enable_prefix_caching=(
+                not self.settings.disable_prefix_caching and ready.runner == "paged"
+            ),
             num_speculative_tokens=ready.num_speculative_tokens,
         )
         for lane in self.channels.lanes:

@@ -62,12 +62,19 @@ def plan_num_blocks(
 
 class PagedKVCache:
     def __init__(
-        self, shape: CacheShape, num_blocks: int, block_size: int, device: torch.device
+        self,
+        shape: CacheShape,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        allocate: bool = True,
     ) -> None:
+        """allocate=False: block accounting only (the fallback runner keeps the model's own
+        caches)."""
         self.shape = shape
         self.num_blocks = num_blocks
         self.block_size = block_size
-        num_slots = num_blocks * block_size
+        num_slots = num_blocks * block_size if allocate else 0
         # per layer: [num_slots, num_kv_heads, head_dim]
         self.keys = [
             torch.zeros(
@@ -77,11 +84,12 @@ class PagedKVCache:
         ]
         self.values = [torch.zeros_like(k) for k in self.keys]
         log.info(
-            "KV cache: %d blocks x %d tokens, %.1f MiB on %s",
+            "KV cache: %d blocks x %d tokens, %.1f MiB on %s%s",
             num_blocks,
             block_size,
-            num_slots * shape.bytes_per_token / 2**20,
+            num_blocks * block_size * shape.bytes_per_token / 2**20,
             device,
+            "" if allocate else " (accounted; the model keeps its own caches)",
         )
 
     def slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:

@@ -17,6 +17,8 @@ from shared.model_files import context_length, eos_token_ids, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
+FALLBACK = "fallback"  # LoadedModel.runner of models services.worker.fallback runs
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -28,6 +30,7 @@ class LoadedModel:
     eos_token_ids: list[int]
     max_model_len: int
     device: torch.device
+    runner: str = "paged"  # "paged" (attention through the paged cache) or "fallback"
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -68,10 +71,11 @@ class UnsupportedModel(RuntimeError):
     """The model cannot run on the paged engine (yet)."""
 
 
-def check_supported(config) -> None:
-    """The paged engine runs models whose transformers code dispatches attention through
-    AttentionInterface; others (ALiBi models such as BLOOM and MPT, Falcon, encoder-decoders)
-    would silently ignore the paged cache, so they are refused with a clear message."""
+def check_supported(config) -> str:
+    """ "paged" for models whose transformers code dispatches attention through
+    AttentionInterface; "fallback" for other causal LMs (ALiBi models such as BLOOM and MPT,
+    Falcon), which would silently ignore the paged cache (services.worker.fallback runs
+    them); encoder-decoders are refused with a clear message."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -82,10 +86,13 @@ def check_supported(config) -> None:
             "AutoModelForCausalLM (encoder-decoder models are not supported yet)"
         ) from exc
     if not getattr(model_class, "_supports_attention_backend", False):
-        raise UnsupportedModel(
-            f"{model_class.__name__} does not route attention through transformers' attention "
-            "interface, so it cannot use the paged KV cache; it is not supported yet"
+        log.warning(
+            "%s does not route attention through transformers' attention interface: it runs "
+            "on the fallback runner (each request on its own cache, no prefix caching)",
+            model_class.__name__,
         )
+        return FALLBACK
+    return "paged"
 
 
 def load_model(
@@ -104,7 +111,7 @@ def load_model(
     paged_attention.register()
     folder = resolve_model_dir(model_id, revision)
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    check_supported(config)
+    runner = check_supported(config)
     target = pick_device(device)
     config_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     torch_dtype = pick_dtype(
@@ -138,7 +145,7 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(
             folder,
             dtype=torch_dtype,
-            attn_implementation=paged_attention.ATTENTION_NAME,
+            attn_implementation=paged_attention.ATTENTION_NAME if runner == "paged" else None,
             trust_remote_code=trust_remote_code,
             **extra,
         )
@@ -174,4 +181,5 @@ def load_model(
         eos_token_ids=eos_token_ids(folder),
         max_model_len=context_length(folder),
         device=target,
+        runner=runner,
     )

@@ -17,10 +17,10 @@ from services.worker.distributed import (
     shard_rank,
 )
 from services.worker.fake import fake_model
+from services.worker.fallback import make_runner
 from services.worker.kv_cache import PagedKVCache
 from services.worker.loader import LoadedModel, UnsupportedModel, load_model, pick_device
 from services.worker.quantization import QuantizationError
-from services.worker.runner import ModelRunner
 from services.worker.service import WorkerService
 from shared.bus import connect, wait_for_redis
 from shared.model_files import ModelNotFound
@@ -97,15 +97,7 @@ def follow_rank_0(settings: Settings, rank: int) -> None:
     loaded = _load(settings, str(shard.device))
     num_blocks = broadcast_int(0)
     cache = PagedKVCache(loaded.cache_shape, num_blocks, settings.block_size, loaded.device)
-    runner = ModelRunner(
-        loaded.model,
-        cache,
-        loaded.eos_token_ids,
-        loaded.max_model_len,
-        loaded.device,
-        num_speculative_tokens=settings.speculate,
-    )
-    follow(runner)
+    follow(make_runner(loaded, cache, settings.speculate))
 
 
 def run(settings: Settings) -> None:

@@ -47,6 +47,7 @@ class PackedBatch:
     prompt_owners: list[RequestState]  # the request of each of prompt_rows
     draft_rows: list[int]  # packed rows of speculative proposals (their logits verify)
     draft_owners: list[RequestState]  # the request of each of draft_rows
+    states: list[RequestState]  # the scheduled requests, in packed order
 
 
 class ModelRunner:
@@ -180,6 +181,7 @@ class ModelRunner:
             prompt_owners=prompt_owners,
             draft_rows=draft_rows,
             draft_owners=draft_owners,
+            states=scheduled,
         )
 
     def _drafts(self, state: RequestState, end: int) -> list[int]:

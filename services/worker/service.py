@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import redis.asyncio as aioredis
 
 from services.worker.fake import FakeRunner, vocab_size_of
+from services.worker.fallback import make_runner
 from services.worker.kv_cache import PagedKVCache, default_budget, plan_num_blocks
 from services.worker.loader import LoadedModel
 from services.worker.metrics import WorkerMetrics
@@ -54,7 +55,13 @@ class WorkerService:
             settings.max_batch_total_tokens or settings.max_batch_size * loaded.max_model_len
         )
         num_blocks = plan_num_blocks(loaded.cache_shape, settings.block_size, budget, max_tokens)
-        cache = PagedKVCache(loaded.cache_shape, num_blocks, settings.block_size, loaded.device)
+        cache = PagedKVCache(
+            loaded.cache_shape,
+            num_blocks,
+            settings.block_size,
+            loaded.device,
+            allocate=loaded.runner == "paged",
+        )
         self.metrics.kv_blocks.set(num_blocks)
         runner_args = (
             loaded.model,
@@ -68,7 +75,7 @@ class WorkerService:
                 *runner_args, step_ms=settings.fake_step_ms, vocab_size=vocab_size_of(loaded.folder)
             )
         else:
-            self.runner = ModelRunner(*runner_args, num_speculative_tokens=settings.speculate)
+            self.runner = make_runner(loaded, cache, settings.speculate)
         self.last_step_id = 0
         self.started_at = time.time()  # identifies this worker's lifetime to its scheduler
         self._ready_bytes = encode(self.ready_message())
@@ -92,6 +99,7 @@ class WorkerService:
             device=str(self.loaded.device),
             world_size=self.settings.num_shard,
             num_speculative_tokens=self.runner.num_speculative_tokens,
+            runner=self.loaded.runner,
             started_at=self.started_at,
         )
 

@@ -1,6 +1,7 @@
-"""Architectures beyond Llama on the paged engine: tiny random models of each, greedy parity
-with transformers' generate for requests batched together with chunked prefill. Models whose
-transformers code bypasses the attention interface are refused with a clear error."""
+"""Architectures beyond Llama: tiny random models of each, greedy parity with transformers'
+generate for requests alone and batched together with chunked prefill. Models whose
+transformers code bypasses the attention interface (BLOOM, MPT, Falcon) run on the fallback
+runner; encoder-decoders are refused with a clear error."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import transformers as T
 
 from services.worker.loader import UnsupportedModel, load_model
 from tests.support.engine_loop import EngineLoop, make_request
-from tests.support.tiny_models import train_tokenizer
+from tests.support.tiny_models import make_tiny_llama, train_tokenizer
 
 COMMON = {"bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.2}
 PAGED = {
@@ -63,7 +64,7 @@ PAGED = {
         vocab_size=v, n_embd=64, n_layer=2, n_head=4, n_positions=512, multi_query=True, **COMMON
     ),
 }
-REFUSED = {
+FALLBACK = {
     "falcon": lambda v: T.FalconConfig(
         vocab_size=v, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, **COMMON
     ),
@@ -81,30 +82,59 @@ def build(folder: Path, make_config) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("name", sorted(PAGED))
-def test_paged_greedy_parity(name, tmp_path):
-    folder = build(tmp_path / name, PAGED[name])
+def check_parity(folder: Path, runner: str) -> None:
     loaded = load_model(str(folder))
+    assert loaded.runner == runner
     reference = T.AutoModelForCausalLM.from_pretrained(folder).eval()
-    engine = EngineLoop(loaded, num_blocks=64, max_batch_prefill_tokens=32)
-    requests = [make_request([1, *range(5, 5 + n)], 12) for n in (4, 30, 70)]
-    for request in requests:
-        engine.add(request)
-    engine.run()
-    for request in requests:
-        expected = reference.generate(
-            torch.tensor([request.input_ids]),
+    prompts = [[1, *range(5, 5 + n)] for n in (4, 30, 70)]
+    expected = [
+        reference.generate(
+            torch.tensor([ids]),
             max_new_tokens=12,
             do_sample=False,
             eos_token_id=[2],
             pad_token_id=0,
-        )[0, len(request.input_ids) :].tolist()
-        assert engine.tokens[request.request_id] == expected
-    assert engine.scheduler.counters.num_prefill_chunks > 0
+        )[0, len(ids) :].tolist()
+        for ids in prompts
+    ]
+    alone = []
+    for ids in prompts:
+        engine = EngineLoop(loaded, num_blocks=64, max_batch_prefill_tokens=32)
+        request = make_request(ids, 12)
+        engine.add(request)
+        engine.run()
+        alone.append(engine.tokens[request.request_id])
+    assert alone == expected
+    engine = EngineLoop(loaded, num_blocks=64, max_batch_prefill_tokens=32)
+    requests = [make_request(ids, 12) for ids in prompts]
+    for request in requests:
+        engine.add(request)
+    engine.run()
+    assert [engine.tokens[r.request_id] for r in requests] == expected
+    assert engine.scheduler.counters.num_prefill_chunks > 0  # chunked prefill happened
+    assert max(engine.step_sizes) == 3  # all three in one step at some point
+    assert engine.scheduler.blocks.num_free_blocks == 64
 
 
-@pytest.mark.parametrize("name", sorted(REFUSED))
-def test_models_outside_the_attention_interface_are_refused(name, tmp_path):
-    folder = build(tmp_path / name, REFUSED[name])
-    with pytest.raises(UnsupportedModel, match="attention interface"):
+@pytest.mark.parametrize("name", sorted(PAGED))
+def test_paged_greedy_parity(name, tmp_path):
+    check_parity(build(tmp_path / name, PAGED[name]), "paged")
+
+
+@pytest.mark.parametrize("name", sorted(FALLBACK))
+def test_fallback_greedy_parity(name, tmp_path):
+    check_parity(build(tmp_path / name, FALLBACK[name]), "fallback")
+
+
+def test_llama_is_paged(tmp_path):
+    assert load_model(str(make_tiny_llama(tmp_path / "llama"))).runner == "paged"
+
+
+def test_encoder_decoder_models_are_refused(tmp_path):
+    folder = tmp_path / "t5"
+    folder.mkdir()
+    T.T5Config(vocab_size=320, d_model=32, d_ff=64, num_layers=2, num_heads=2).save_pretrained(
+        folder
+    )
+    with pytest.raises(UnsupportedModel, match="encoder-decoder models are not supported yet"):
         load_model(str(folder))
