@@ -112,7 +112,8 @@ async def info(request: Request) -> JSONResponse:
             "model_dtype": worker.dtype if worker else None,
             "model_device_type": worker.device.split(":")[0] if worker else None,
             # "paged": attention reads the paged KV cache; "fallback": each request runs on
-            # the model's own cache (architectures outside transformers' attention interface)
+            # the model's own cache (causal LMs outside transformers' attention interface);
+            # "seq2seq": encoder-decoders, the same way
             "model_runner": worker.runner if worker else None,
         }
     )

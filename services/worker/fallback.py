@@ -17,9 +17,8 @@ from collections import defaultdict
 
 import torch
 
+from services.worker.loader import FALLBACK, SEQ2SEQ
 from services.worker.runner import ModelRunner, PackedBatch
-
-RUNNER_NAME = "fallback"  # what /info reports for such models (the paged path is "paged")
 
 
 class FallbackRunner(ModelRunner):
@@ -81,9 +80,68 @@ class FallbackRunner(ModelRunner):
         return stacked[:num_kept]
 
 
+class Seq2SeqRunner(FallbackRunner):
+    """Encoder-decoder models on the same scheduling. The prompt is the encoder's input: its
+    chunks cost nothing until the last one, where the encoder runs once over the whole prompt
+    and the decoder starts; every later step feeds the decoder the last generated token.
+    After preemption the decoder is rebuilt from the start token and the tokens generated so
+    far. Prompt logprobs do not exist for such models (NaN)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.encoded: dict[str, torch.Tensor] = {}  # request id -> encoder output [1, len, d]
+        self.start_token_id = int(self.model.config.decoder_start_token_id or 0)
+
+    def _drop_finished_caches(self) -> None:
+        super()._drop_finished_caches()
+        for request_id in [r for r in self.encoded if r not in self.requests]:
+            del self.encoded[request_id]
+
+    @torch.inference_mode()
+    def _forward(self, batch: PackedBatch) -> torch.Tensor:
+        from transformers import DynamicCache, EncoderDecoderCache
+
+        self._drop_finished_caches()
+        logits = []
+        for state in batch.sampling:  # states that compute nothing else are prompt chunks
+            cache = self.caches.get(state.request_id)
+            generated = state.token_ids[state.num_prompt_tokens :]
+            if cache is None:  # first sample here: encode, then decode what exists so far
+                prompt = torch.tensor(
+                    [state.token_ids[: state.num_prompt_tokens]], device=self.device
+                )
+                self.encoded[state.request_id] = self.model.get_encoder()(
+                    input_ids=prompt
+                ).last_hidden_state
+                cache = self.caches[state.request_id] = EncoderDecoderCache(
+                    DynamicCache(), DynamicCache()
+                )
+                decoder_ids = [self.start_token_id, *generated]
+            else:
+                decoder_ids = generated[-1:]
+            out = self.model(
+                encoder_outputs=(self.encoded[state.request_id],),
+                decoder_input_ids=torch.tensor([decoder_ids], device=self.device),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits.append(out.logits[0, -1])
+        if batch.draft_rows:
+            raise RuntimeError("speculation is off for encoder-decoder models")
+        if batch.prompt_rows:
+            vocab = self.model.get_output_embeddings().out_features
+            nan = torch.full((len(batch.prompt_rows), vocab), float("nan"), device=self.device)
+            self._score_prompt(batch, nan)
+        if not logits:
+            return torch.empty(0, device=self.device)
+        return torch.stack(logits)
+
+
 def make_runner(loaded, cache, num_speculative_tokens: int = 0) -> ModelRunner:
-    """The runner the loaded model needs: paged, or this fallback."""
-    runner_class = FallbackRunner if loaded.runner == RUNNER_NAME else ModelRunner
+    """The runner the loaded model needs (LoadedModel.runner: paged, fallback, seq2seq)."""
+    runner_class = {FALLBACK: FallbackRunner, SEQ2SEQ: Seq2SeqRunner}.get(
+        loaded.runner, ModelRunner
+    )
     return runner_class(
         loaded.model,
         cache,

@@ -17,7 +17,8 @@ from shared.model_files import context_length, eos_token_ids, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
-FALLBACK = "fallback"  # LoadedModel.runner of models services.worker.fallback runs
+FALLBACK = "fallback"  # LoadedModel.runner of causal LMs services.worker.fallback runs
+SEQ2SEQ = "seq2seq"  # LoadedModel.runner of encoder-decoders (services.worker.fallback)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -30,7 +31,7 @@ class LoadedModel:
     eos_token_ids: list[int]
     max_model_len: int
     device: torch.device
-    runner: str = "paged"  # "paged" (attention through the paged cache) or "fallback"
+    runner: str = "paged"  # "paged" (attention reads the paged cache), FALLBACK or SEQ2SEQ
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -72,18 +73,22 @@ class UnsupportedModel(RuntimeError):
 
 
 def check_supported(config) -> str:
-    """ "paged" for models whose transformers code dispatches attention through
-    AttentionInterface; "fallback" for other causal LMs (ALiBi models such as BLOOM and MPT,
-    Falcon), which would silently ignore the paged cache (services.worker.fallback runs
-    them); encoder-decoders are refused with a clear message."""
-    from transformers import AutoModelForCausalLM
+    """The runner a model needs: "paged" for models whose transformers code dispatches
+    attention through AttentionInterface; "fallback" for other causal LMs (ALiBi models such
+    as BLOOM and MPT, Falcon), which would silently ignore the paged cache; "seq2seq" for
+    encoder-decoders (T5, FLAN-T5). services.worker.fallback runs the last two."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
+    if getattr(config, "is_encoder_decoder", False):
+        if type(config) not in AutoModelForSeq2SeqLM._model_mapping:
+            raise UnsupportedModel(f"{config.model_type} is not a text-to-text model")
+        return SEQ2SEQ
     try:
         model_class = AutoModelForCausalLM._model_mapping[type(config)]
     except KeyError as exc:
         raise UnsupportedModel(
-            f"{config.model_type} is not a causal language model transformers can load with "
-            "AutoModelForCausalLM (encoder-decoder models are not supported yet)"
+            f"{config.model_type} is neither a causal language model nor an encoder-decoder "
+            "transformers can load"
         ) from exc
     if not getattr(model_class, "_supports_attention_backend", False):
         log.warning(
@@ -106,7 +111,7 @@ def load_model(
 ) -> LoadedModel:
     """The model, ready for the paged engine. With world_size > 1 the caller has joined a
     torch.distributed group (services.worker.distributed) and gets this rank's shard."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     paged_attention.register()
     folder = resolve_model_dir(model_id, revision)
@@ -142,7 +147,8 @@ def load_model(
         if extra["quantization_config"] is None:
             del extra["quantization_config"]  # gptq/awq: the checkpoint's own
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        auto_class = AutoModelForSeq2SeqLM if runner == SEQ2SEQ else AutoModelForCausalLM
+        model = auto_class.from_pretrained(
             folder,
             dtype=torch_dtype,
             attn_implementation=paged_attention.ATTENTION_NAME if runner == "paged" else None,

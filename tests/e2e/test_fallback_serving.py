@@ -1,5 +1,7 @@
-"""A BLOOM (ALiBi, outside transformers' attention interface) served over HTTP on the fallback
-runner: transformers' greedy output alone and in a concurrent batch; /info says which path."""
+"""Models off the paged path, served over HTTP: a BLOOM (ALiBi, outside transformers'
+attention interface) on the fallback runner and a FLAN-T5-like encoder-decoder on the seq2seq
+runner give transformers' greedy output alone and in a concurrent batch; /info says which
+runner serves them."""
 
 from __future__ import annotations
 
@@ -7,29 +9,49 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 
 from tests.e2e.conftest import CLUSTER_ARGS
 from tests.support.cluster import Cluster
-from tests.support.reference import greedy_continuation, tokenizer
-from tests.worker.test_architectures import FALLBACK, build
+from tests.support.reference import tokenizer
+from tests.worker.test_architectures import FALLBACK, build, build_t5
 
 pytestmark = pytest.mark.integration
 
 PROMPTS = ["the cat sat on the mat", "once upon a time there was a girl", "a dog", "hello"]
 
 
-def test_bloom_serves_transformers_greedy_output(redis_url, namespace, tmp_path):
-    folder = build(tmp_path / "bloom", FALLBACK["bloom"])
+def reference_tokens(folder, runner: str) -> list[list[int]]:
+    """transformers' greedy generate (eager attention: BLOOM has no SDPA)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    auto = AutoModelForSeq2SeqLM if runner == "seq2seq" else AutoModelForCausalLM
+    model = auto.from_pretrained(folder).eval()
+    out = []
+    for prompt in PROMPTS:
+        ids = tokenizer(folder)(prompt).input_ids
+        generated = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=[2],
+            pad_token_id=0,
+        )[0].tolist()
+        out.append(generated[1:] if runner == "seq2seq" else generated[len(ids) :])
+    return out
+
+
+@pytest.mark.parametrize("runner", ["fallback", "seq2seq"])
+def test_served_greedy_output_equals_transformers(runner, redis_url, namespace, tmp_path):
+    folder = (
+        build_t5(tmp_path / "t5")
+        if runner == "seq2seq"
+        else build(tmp_path / "bloom", FALLBACK["bloom"])
+    )
+    expected = reference_tokens(folder, runner)
     cluster = Cluster(redis_url, namespace, folder, args=CLUSTER_ARGS).start()
     try:
         url = cluster.gateway_urls[0]
-        from transformers import AutoModelForCausalLM
-
-        reference = AutoModelForCausalLM.from_pretrained(folder).eval()  # eager: BLOOM has no SDPA
-        expected = [
-            greedy_continuation(reference, tokenizer(folder)(prompt).input_ids, 12, [2])
-            for prompt in PROMPTS
-        ]
 
         def generate(prompt: str) -> list[int]:
             body = {"inputs": prompt, "parameters": {"max_new_tokens": 12, "details": True}}
@@ -40,6 +62,6 @@ def test_bloom_serves_transformers_greedy_output(redis_url, namespace, tmp_path)
         assert [generate(p) for p in PROMPTS] == expected
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             assert list(pool.map(generate, PROMPTS)) == expected
-        assert httpx.get(f"{url}/info", timeout=10).json()["model_runner"] == "fallback"
+        assert httpx.get(f"{url}/info", timeout=10).json()["model_runner"] == runner
     finally:
         cluster.stop()

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers as T
 
-from services.worker.loader import UnsupportedModel, load_model
+from services.worker.loader import load_model
 from tests.support.engine_loop import EngineLoop, make_request
 from tests.support.tiny_models import make_tiny_llama, train_tokenizer
 
@@ -130,11 +130,47 @@ def test_llama_is_paged(tmp_path):
     assert load_model(str(make_tiny_llama(tmp_path / "llama"))).runner == "paged"
 
 
-def test_encoder_decoder_models_are_refused(tmp_path):
-    folder = tmp_path / "t5"
-    folder.mkdir()
-    T.T5Config(vocab_size=320, d_model=32, d_ff=64, num_layers=2, num_heads=2).save_pretrained(
+def build_t5(folder: Path) -> Path:
+    """A tiny random FLAN-T5-like model (gated-GELU) with the trained tokenizer."""
+    folder.mkdir(parents=True)
+    vocab_size = train_tokenizer(folder)
+    torch.manual_seed(0)
+    config = T.T5Config(
+        vocab_size=vocab_size,
+        d_model=64,
+        d_ff=128,
+        d_kv=16,
+        num_layers=2,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=2,
+        feed_forward_proj="gated-gelu",  # FLAN-T5's
+        initializer_factor=2.0,  # a random T5 with a narrower init repeats one token
+    )
+    T.T5ForConditionalGeneration(config).eval().save_pretrained(folder)
+    T.GenerationConfig(decoder_start_token_id=0, eos_token_id=2, pad_token_id=0).save_pretrained(
         folder
     )
-    with pytest.raises(UnsupportedModel, match="encoder-decoder models are not supported yet"):
-        load_model(str(folder))
+    return folder
+
+
+def test_t5_runs_as_seq2seq_with_greedy_parity(tmp_path):
+    folder = build_t5(tmp_path / "t5")
+    loaded = load_model(str(folder))
+    assert loaded.runner == "seq2seq"
+    reference = T.T5ForConditionalGeneration.from_pretrained(folder).eval()
+    prompts = [[1, *range(5, 5 + n)] for n in (4, 30, 70)]
+    expected = [
+        reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, 1:].tolist()
+        for ids in prompts
+    ]
+    engine = EngineLoop(loaded, num_blocks=64, max_batch_prefill_tokens=32)
+    requests = [make_request(ids, 12) for ids in prompts]
+    for request in requests:
+        engine.add(request)
+    engine.run()
+    assert [engine.tokens[r.request_id] for r in requests] == expected
+    assert all(len(set(tokens)) > 3 for tokens in expected), expected  # not one id repeated
+    assert engine.scheduler.counters.num_prefill_chunks > 0
+    assert engine.scheduler.blocks.num_free_blocks == 64
