@@ -174,3 +174,13 @@ def test_t5_runs_as_seq2seq_with_greedy_parity(tmp_path):
     assert all(len(set(tokens)) > 3 for tokens in expected), expected  # not one id repeated
     assert engine.scheduler.counters.num_prefill_chunks > 0
     assert engine.scheduler.blocks.num_free_blocks == 64
+
+
+def test_models_that_generate_no_text_are_refused(tmp_path):
+    folder = tmp_path / "bert"
+    folder.mkdir()
+    T.BertConfig(
+        vocab_size=320, hidden_size=32, num_hidden_layers=1, num_attention_heads=2
+    ).save_pretrained(folder)
+    with pytest.raises(UnsupportedModel, match="neither a causal language model"):
+        load_model(str(folder))
