@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers as T
 
-from services.worker.loader import load_model
+from services.worker.loader import UnsupportedModel, load_model
 from tests.support.engine_loop import EngineLoop, make_request
 from tests.support.tiny_models import make_tiny_llama, train_tokenizer
 
