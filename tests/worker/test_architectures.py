@@ -177,10 +177,8 @@ def test_t5_runs_as_seq2seq_with_greedy_parity(tmp_path):
 
 
 def test_models_that_generate_no_text_are_refused(tmp_path):
-    folder = tmp_path / "bert"
+    folder = tmp_path / "vit"
     folder.mkdir()
-    T.BertConfig(
-        vocab_size=320, hidden_size=32, num_hidden_layers=1, num_attention_heads=2
-    ).save_pretrained(folder)
+    T.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(folder)
     with pytest.raises(UnsupportedModel, match="neither a causal language model"):
         load_model(str(folder))
