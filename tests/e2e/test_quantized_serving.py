@@ -1,5 +1,5 @@
-"""A worker group started with --quantize bitsandbytes-nf4 serves over HTTP what transformers
-generates with the same BitsAndBytesConfig, alone and in a concurrent batch; a worker given a
+"""A worker group started with --quantize bitsandbytes (int8) or bitsandbytes-nf4 serves over
+HTTP what transformers generates with the same BitsAndBytesConfig, alone and in a concurrent batch; a worker given a
 gptq flag for a full-precision checkpoint exits with a clear message."""
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ pytestmark = pytest.mark.integration
 PROMPTS = ["the cat sat on", "once upon a time there was", "a dog ran", "red blue sky"]
 
 
-def test_nf4_group_serves_transformers_greedy_output(own_cluster, tiny_llama):
-    cluster = own_cluster("--quantize", "bitsandbytes-nf4", num_groups=1)
-    reference = hf_quantized(tiny_llama, "bitsandbytes-nf4")
+@pytest.mark.parametrize("method", ["bitsandbytes", "bitsandbytes-nf4"])
+def test_quantized_group_serves_transformers_greedy_output(own_cluster, tiny_llama, method):
+    cluster = own_cluster("--quantize", method, num_groups=1)
+    reference = hf_quantized(tiny_llama, method)
     expected = [
         greedy_continuation(reference, tokenizer(tiny_llama)(p).input_ids, 10, [2]) for p in PROMPTS
     ]

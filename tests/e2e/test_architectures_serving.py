@@ -1,7 +1,6 @@
-"""Models off the paged path, served over HTTP: a BLOOM (ALiBi, outside transformers'
-attention interface) on the fallback runner and a FLAN-T5-like encoder-decoder on the seq2seq
-runner give transformers' greedy output alone and in a concurrent batch; /info says which
-runner serves them."""
+"""Every architecture of the seeds, as a tiny random model, served over HTTP: transformers'
+greedy output for each prompt alone and with all prompts in flight together (paged runner for
+most, fallback for BLOOM/MPT/Falcon, seq2seq for T5)."""
 
 from __future__ import annotations
 
@@ -14,15 +13,16 @@ import torch
 from tests.e2e.conftest import CLUSTER_ARGS
 from tests.support.cluster import Cluster
 from tests.support.reference import tokenizer
-from tests.worker.test_architectures import FALLBACK, build, build_t5
+from tests.worker.test_architectures import FALLBACK, PAGED, build, build_t5
 
 pytestmark = pytest.mark.integration
 
 PROMPTS = ["the cat sat on the mat", "once upon a time there was a girl", "a dog", "hello"]
+RUNNERS = {**dict.fromkeys(PAGED, "paged"), **dict.fromkeys(FALLBACK, "fallback"), "t5": "seq2seq"}
 
 
 def reference_tokens(folder, runner: str) -> list[list[int]]:
-    """transformers' greedy generate (eager attention: BLOOM has no SDPA)."""
+    """transformers' greedy generate (default attention: BLOOM has no SDPA)."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     auto = AutoModelForSeq2SeqLM if runner == "seq2seq" else AutoModelForCausalLM
@@ -41,13 +41,13 @@ def reference_tokens(folder, runner: str) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("runner", ["fallback", "seq2seq"])
-def test_served_greedy_output_equals_transformers(runner, redis_url, namespace, tmp_path):
-    folder = (
-        build_t5(tmp_path / "t5")
-        if runner == "seq2seq"
-        else build(tmp_path / "bloom", FALLBACK["bloom"])
-    )
+@pytest.mark.parametrize("name", sorted(RUNNERS))
+def test_architecture_serves_transformers_greedy_output(name, redis_url, namespace, tmp_path):
+    runner = RUNNERS[name]
+    if name == "t5":
+        folder = build_t5(tmp_path / name)
+    else:
+        folder = build(tmp_path / name, {**PAGED, **FALLBACK}[name])
     expected = reference_tokens(folder, runner)
     cluster = Cluster(redis_url, namespace, folder, args=CLUSTER_ARGS).start()
     try:
