@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.e2e.conftest import CLUSTER_ARGS
-from tests.support.cluster import Cluster
+from tests.support.cluster import Cluster, generated_ids
 from tests.support.reference import tokenizer
 from tests.worker.test_architectures import FALLBACK, PAGED, build, build_t5
 
@@ -54,10 +54,7 @@ def test_architecture_serves_transformers_greedy_output(name, redis_url, namespa
         url = cluster.gateway_urls[0]
 
         def generate(prompt: str) -> list[int]:
-            body = {"inputs": prompt, "parameters": {"max_new_tokens": 12, "details": True}}
-            response = httpx.post(f"{url}/generate", json=body, timeout=60)
-            assert response.status_code == 200, response.text
-            return [token["id"] for token in response.json()["details"]["tokens"]]
+            return generated_ids(url, prompt, 12)
 
         assert [generate(p) for p in PROMPTS] == expected
         with ThreadPoolExecutor(len(PROMPTS)) as pool:

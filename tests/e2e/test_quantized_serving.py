@@ -8,9 +8,9 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
+from tests.support.cluster import generated_ids
 from tests.support.reference import greedy_continuation, tokenizer
 from tests.worker.test_quantization import hf_quantized
 
@@ -32,10 +32,7 @@ def test_quantized_group_serves_transformers_greedy_output(own_cluster, tiny_lla
     ]
 
     def generate(prompt: str) -> list[int]:
-        body = {"inputs": prompt, "parameters": {"max_new_tokens": 10, "details": True}}
-        response = httpx.post(f"{cluster.gateway_urls[0]}/generate", json=body, timeout=60)
-        assert response.status_code == 200, response.text
-        return [token["id"] for token in response.json()["details"]["tokens"]]
+        return generated_ids(cluster.gateway_urls[0], prompt, 10)
 
     assert [generate(p) for p in PROMPTS] == expected  # one at a time
     with ThreadPoolExecutor(len(PROMPTS)) as pool:  # together

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.support.cluster import generated_ids
 from tests.support.reference import greedy_ids
 
 pytestmark = pytest.mark.integration
@@ -26,10 +27,7 @@ def test_speculative_group_serves_transformers_greedy_output(own_cluster, tiny_l
     expected = [greedy_ids(tiny_llama, prompt, 24, [2]) for prompt in PROMPTS]
 
     def generate(prompt: str) -> list[int]:
-        body = {"inputs": prompt, "parameters": {"max_new_tokens": 24, "details": True}}
-        response = httpx.post(f"{cluster.gateway_urls[0]}/generate", json=body, timeout=60)
-        assert response.status_code == 200, response.text
-        return [token["id"] for token in response.json()["details"]["tokens"]]
+        return generated_ids(cluster.gateway_urls[0], prompt, 24)
 
     assert [generate(p) for p in PROMPTS] == expected
     with ThreadPoolExecutor(len(PROMPTS)) as pool:

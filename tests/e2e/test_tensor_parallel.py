@@ -13,18 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.support.cluster import generated_ids
 from tests.support.reference import greedy_ids
 
 pytestmark = pytest.mark.integration
 
 PROMPTS = ["the cat sat on the mat", "once upon a time there was", "a dog", "hello world"]
-
-
-def generate(url: str, prompt: str, max_new_tokens: int = 16) -> list[int]:
-    body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "details": True}}
-    response = httpx.post(f"{url}/generate", json=body, timeout=120)
-    assert response.status_code == 200, response.text
-    return [token["id"] for token in response.json()["details"]["tokens"]]
 
 
 def shard_pids(worker_pid: int) -> list[int]:
@@ -36,9 +30,9 @@ def test_two_ranks_serve_the_one_rank_output(own_cluster, tiny_llama):
     cluster = own_cluster("--num-shard", "2", num_groups=1)
     url = cluster.gateway_urls[0]
     expected = [greedy_ids(tiny_llama, prompt, 16, [2]) for prompt in PROMPTS]
-    assert [generate(url, p) for p in PROMPTS] == expected
+    assert [generated_ids(url, p, 16) for p in PROMPTS] == expected
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        assert list(pool.map(lambda p: generate(url, p), PROMPTS)) == expected
+        assert list(pool.map(lambda p: generated_ids(url, p, 16), PROMPTS)) == expected
     info = httpx.get(f"{url}/info", timeout=10).json()
     assert info["model_dtype"] == "float32"
     worker = cluster.processes[f"worker-{cluster.groups[0]}"]
@@ -55,5 +49,5 @@ def test_a_dead_rank_takes_its_group_down_and_the_other_group_serves(own_cluster
     expected = [greedy_ids(tiny_llama, prompt, 16, [2]) for prompt in PROMPTS]
     deadline = time.monotonic() + 60
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        got = list(pool.map(lambda p: generate(url, p), PROMPTS))
+        got = list(pool.map(lambda p: generated_ids(url, p, 16), PROMPTS))
     assert got == expected and time.monotonic() < deadline

@@ -168,3 +168,11 @@ class Cluster:
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def generated_ids(url: str, prompt: str, max_new_tokens: int, timeout: float = 120.0) -> list[int]:
+    """The token ids a greedy /generate returns for `prompt` (asserting a 200)."""
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens, "details": True}}
+    response = httpx.post(f"{url}/generate", json=body, timeout=timeout)
+    assert response.status_code == 200, response.text
+    return [token["id"] for token in response.json()["details"]["tokens"]]
