@@ -49,15 +49,17 @@ RUN pip install . && ! pip show torch >/dev/null 2>&1
 FROM build-base AS build-worker
 # Where torch comes from: the CPU wheel index by default, PyPI (CUDA builds) for the GPU image.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# torch first, from its index, with the exact pin of the `worker` extra; the rest from PyPI.
+# torch first, from its index, with the exact pin of the `worker` extra; the rest (and the
+# `quantize` extra: bitsandbytes) from PyPI.
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-print('\n'.join(p['optional-dependencies']['worker']))" > /tmp/worker.txt \
+print('\n'.join(p['optional-dependencies']['worker'] + p['optional-dependencies']['quantize']))" \
+      > /tmp/worker.txt \
  && pip install --index-url "${TORCH_INDEX_URL}" $(grep -E '^torch([=<>~!; ]|$)' /tmp/worker.txt) \
  && pip install -r /tmp/worker.txt
 COPY shared ./shared
 COPY services ./services
 # torch is already satisfied (2.x.y+cpu matches ==2.x.y), so this adds only the project.
-RUN pip install ".[worker]" && python -c "import torch, transformers"
+RUN pip install ".[worker,quantize]" && python -c "import torch, transformers, bitsandbytes"
 # Extra worker packages built against that torch: the GPU image adds flash-attn
 # (`--build-arg GPU_PACKAGES=flash-attn`). Compiling it needs nvcc: build that image from a
 # CUDA "devel" base with Python 3.11 (`--build-arg PYTHON_IMAGE=...`); no GPU is needed to build.
