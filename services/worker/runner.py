@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
+from services.worker.int8_rows import isolate_int8_rows
 from services.worker.kv_cache import PagedKVCache
 from services.worker.paged_attention import (
     METADATA_KWARG,
@@ -67,6 +69,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.device = device
         self.requests: dict[str, RequestState] = {}
+        self.int8_rows = isolate_int8_rows(model)  # None unless LLM.int8() layers
 
     def execute(self, plan: StepPlan) -> StepOutcome:
         started = time.perf_counter()
@@ -213,13 +216,14 @@ class ModelRunner:
             logits_to_keep = 1  # nothing samples; keep the cost minimal
         else:
             logits_to_keep = batch.sample_rows
-        output = self.model(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            use_cache=False,
-            logits_to_keep=logits_to_keep,
-            **{METADATA_KWARG: batch.metadata},
-        )
+        with self.int8_rows.active(batch.metadata.query_start) if self.int8_rows else nullcontext():
+            output = self.model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                use_cache=False,
+                logits_to_keep=logits_to_keep,
+                **{METADATA_KWARG: batch.metadata},
+            )
         logits = output.logits[0]
         num_kept = len(batch.sampling) + len(batch.draft_rows)
         if batch.prompt_rows:

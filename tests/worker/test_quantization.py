@@ -57,3 +57,31 @@ def test_prequantized_methods_need_such_a_checkpoint(tiny_llama):
     with pytest.raises(QuantizationError, match="unknown; choose one of bitsandbytes"):
         quantization_config("int3", config, torch.float32)
     assert quantization_config(None, config, torch.float32) is None
+
+
+def test_int8_rows_of_one_request_do_not_depend_on_the_others():
+    """LLM.int8() computes a column in floating point for every row when any row has an
+    outlier there; isolate_int8_rows makes that decision per request."""
+    import bitsandbytes as bnb
+
+    from services.worker.int8_rows import isolate_int8_rows
+
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(64, 32, bias=False)
+    layer = bnb.nn.Linear8bitLt(64, 32, bias=False, has_fp16_weights=False, threshold=6.0)
+    layer.load_state_dict(dense.state_dict())
+    layer = layer.to("cpu").eval()  # quantizes the weights
+    quiet = torch.randn(1, 3, 64).clamp(-2, 2)  # request A: no outliers
+    loud = torch.randn(1, 2, 64).clamp(-2, 2)
+    loud[0, 0, 5] = 40.0  # request B: an outlier in column 5
+    packed = torch.cat([quiet, loud], dim=1)
+    with torch.inference_mode():
+        alone = layer(quiet)
+        assert not torch.equal(layer(packed)[:, :3], alone)  # the batch leaks into A
+        segments = isolate_int8_rows(torch.nn.Sequential(layer))
+        assert segments is not None
+        with segments.active([0, 3, 5]):
+            isolated = layer(packed)
+        assert torch.equal(isolated[:, :3], alone)
+        assert torch.equal(isolated[:, 3:], layer(loud))
+    assert isolate_int8_rows(dense) is None  # nothing to isolate in a full-precision layer
