@@ -201,6 +201,7 @@ class WorkerReady(Message):
     world_size: int = 1  # ranks in the tensor-parallel group
     num_speculative_tokens: int = 0  # n-gram proposals the worker adds to a greedy decode step
     runner: str = "paged"  # "paged" KV cache, or "fallback" (per-request caches: no prefix cache)
+    attention: str = "sdpa"  # paged runner's kernel: "flash-attn" (CUDA) or "sdpa" (torch's)
     started_at: float = 0.0  # unix s
 
 

@@ -41,3 +41,16 @@ def stories_model() -> Path:
 def pytest_configure(config):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` are skipped where torch sees no CUDA device."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    for item in gpu_items:
+        item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))

@@ -14,6 +14,7 @@ from typing import Any
 from services.scheduler.request import SchedRequest
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.worker.fallback import make_runner
+from services.worker.flash_attention import flash_block_size
 from services.worker.kv_cache import PagedKVCache, default_budget, plan_num_blocks
 from services.worker.loader import LoadedModel, load_model
 from services.worker.runner import StepOutcome
@@ -68,11 +69,14 @@ class Engine:
             if isinstance(model_id, LoadedModel)
             else load_model(model_id, dtype=dtype, device=device, quantize=quantize)
         )
+        is_paged = self.loaded.runner == "paged"
+        block_size = flash_block_size(
+            block_size, self.loaded.device, self.loaded.cache_shape, is_paged=is_paged
+        )
         if num_blocks is None:
             budget = kv_cache_memory or default_budget(self.loaded.device)
             max_tokens = max_batch_size * self.loaded.max_model_len
             num_blocks = plan_num_blocks(self.loaded.cache_shape, block_size, budget, max_tokens)
-        is_paged = self.loaded.runner == "paged"
         cache = PagedKVCache(
             self.loaded.cache_shape, num_blocks, block_size, self.loaded.device, allocate=is_paged
         )

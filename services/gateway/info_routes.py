@@ -115,6 +115,9 @@ async def info(request: Request) -> JSONResponse:
             # the model's own cache (causal LMs outside transformers' attention interface);
             # "seq2seq": encoder-decoders, the same way
             "model_runner": worker.runner if worker else None,
+            # "flash-attn": the paged runner attends with flash-attn (CUDA, installed); "sdpa":
+            # with torch's scaled_dot_product_attention (and matmuls on CPU)
+            "model_attention": worker.attention if worker else None,
         }
     )
 

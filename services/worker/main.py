@@ -18,6 +18,7 @@ from services.worker.distributed import (
 )
 from services.worker.fake import fake_model
 from services.worker.fallback import make_runner
+from services.worker.flash_attention import flash_block_size
 from services.worker.kv_cache import PagedKVCache
 from services.worker.loader import LoadedModel, UnsupportedModel, load_model, pick_device
 from services.worker.quantization import QuantizationError
@@ -96,7 +97,10 @@ def follow_rank_0(settings: Settings, rank: int) -> None:
     shard = join_group(rank, settings.num_shard, port, pick_device(settings.device))
     loaded = _load(settings, str(shard.device))
     num_blocks = broadcast_int(0)
-    cache = PagedKVCache(loaded.cache_shape, num_blocks, settings.block_size, loaded.device)
+    block_size = flash_block_size(  # as rank 0 chose it
+        settings.block_size, loaded.device, loaded.cache_shape, is_paged=loaded.runner == "paged"
+    )
+    cache = PagedKVCache(loaded.cache_shape, num_blocks, block_size, loaded.device)
     follow(make_runner(loaded, cache, settings.speculate))
 
 

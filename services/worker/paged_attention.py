@@ -18,7 +18,8 @@ Decodes (one query each) are attended together in one call over their block tabl
 the longest context (`DecodeGroup`): whole blocks are gathered (one row copy per block, not
 one per token), and on CPU in half precision the attention is two batched matmuls with a
 float32 softmax (PyTorch's CPU flash kernel is several times slower there). Prompt chunks are
-attended one request at a time.
+attended one request at a time. On CUDA with flash-attn installed, a layer's attention is
+instead one flash_attn_varlen_func call over the block tables (services/worker/flash_attention.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.worker import flash_attention
 from services.worker.kv_cache import PagedKVCache
 
 ATTENTION_NAME = "textgen_paged"
@@ -51,6 +53,8 @@ class AttentionMetadata:
     context_slots: list[torch.Tensor]  # per request: [context_len] slots of all its tokens
     decodes: DecodeGroup | None = None  # single-query requests, attended together
     prefill_indices: list[int] | None = None  # requests attended one by one (None: all)
+    # set on CUDA with flash-attn: every request attended in one flash_attn_varlen_func call
+    flash: flash_attention.FlashMetadata | None = None
 
 
 def make_decode_group(
@@ -114,6 +118,10 @@ def paged_attention_forward(
     v_cache = meta.kv_cache.values[layer]
     k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    if meta.flash is not None:
+        q = query[0].transpose(0, 1)  # [num_tokens, num_heads, head_dim]
+        out = flash_attention.attend(q, k_cache, v_cache, meta.flash, scaling, sliding_window)
+        return out.unsqueeze(0), None  # [1, num_tokens, num_heads, head_dim]
 
     num_tokens = query.shape[2]
     out = torch.empty(

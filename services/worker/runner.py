@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker import flash_attention
 from services.worker.int8_rows import isolate_int8_rows
 from services.worker.kv_cache import PagedKVCache
 from services.worker.paged_attention import (
@@ -70,6 +71,7 @@ class ModelRunner:
         self.device = device
         self.requests: dict[str, RequestState] = {}
         self.int8_rows = isolate_int8_rows(model)  # None unless LLM.int8() layers
+        self.attention = flash_attention.kernel_for(kv_cache, device)  # "flash-attn" or "sdpa"
 
     def execute(self, plan: StepPlan) -> StepOutcome:
         started = time.perf_counter()
@@ -163,6 +165,11 @@ class ModelRunner:
             context_lens=context_lens,
             context_slots=context_slots,
         )
+        if self.attention == flash_attention.FLASH_ATTN:  # built once per step, for every layer
+            block_tables = [s.block_ids for s in scheduled]
+            metadata.flash = flash_attention.make_metadata(
+                query_start, context_lens, block_tables, self.kv_cache.block_size, self.device
+            )
         if len(decode_indices) > 1:
             metadata.decodes = make_decode_group(
                 [query_start[i] for i in decode_indices],

@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 
 from services.worker.fake import FakeRunner, vocab_size_of
 from services.worker.fallback import make_runner
+from services.worker.flash_attention import flash_block_size
 from services.worker.kv_cache import PagedKVCache, default_budget, plan_num_blocks
 from services.worker.loader import LoadedModel
 from services.worker.metrics import WorkerMetrics
@@ -54,13 +55,17 @@ class WorkerService:
         max_tokens = (
             settings.max_batch_total_tokens or settings.max_batch_size * loaded.max_model_len
         )
-        num_blocks = plan_num_blocks(loaded.cache_shape, settings.block_size, budget, max_tokens)
+        is_paged = loaded.runner == "paged"
+        block_size = flash_block_size(
+            settings.block_size, loaded.device, loaded.cache_shape, is_paged=is_paged
+        )
+        num_blocks = plan_num_blocks(loaded.cache_shape, block_size, budget, max_tokens)
         cache = PagedKVCache(
             loaded.cache_shape,
             num_blocks,
-            settings.block_size,
+            block_size,
             loaded.device,
-            allocate=loaded.runner == "paged",
+            allocate=is_paged,
         )
         self.metrics.kv_blocks.set(num_blocks)
         runner_args = (
@@ -100,6 +105,7 @@ class WorkerService:
             world_size=self.settings.num_shard,
             num_speculative_tokens=self.runner.num_speculative_tokens,
             runner=self.loaded.runner,
+            attention=self.runner.attention,
             started_at=self.started_at,
         )
 

@@ -36,7 +36,7 @@ def greedy_continuation(
     """transformers' greedy `generate` after `input_ids`: the generated ids only."""
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([input_ids]),
+            torch.tensor([input_ids], device=model.device),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             eos_token_id=eos_token_ids,
