@@ -44,11 +44,11 @@ def _is_outlier_int8(module: torch.nn.Module) -> bool:
     return type(module).__name__ == "Linear8bitLt" and getattr(state, "threshold", 0.0) > 0.0
 
 
-def isolate_int8_rows(model: torch.nn.Module) -> RowSegments | None:
+def isolate_int8_rows(model: torch.nn.Module | None) -> RowSegments | None:
     """Make every outlier-decomposing int8 layer of `model` run per request; None if it has
-    none."""
+    none (or no model at all: the simulated worker)."""
     segments = RowSegments()
-    layers = [m for m in model.modules() if _is_outlier_int8(m)]
+    layers = [m for m in model.modules() if _is_outlier_int8(m)] if model is not None else []
     for module in layers:
         module.forward = _per_segment(module.forward, segments)
     if not layers:

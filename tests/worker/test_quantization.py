@@ -85,3 +85,4 @@ def test_int8_rows_of_one_request_do_not_depend_on_the_others():
         assert torch.equal(isolated[:, :3], alone)
         assert torch.equal(isolated[:, 3:], layer(loud))
     assert isolate_int8_rows(dense) is None  # nothing to isolate in a full-precision layer
+    assert isolate_int8_rows(None) is None  # the simulated worker has no model
