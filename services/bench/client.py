@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -23,6 +23,8 @@ class LevelRun:
     value: float  # the concurrency or the request rate
     records: list[RequestRecord]  # in workload order
     wall_s: float  # first send to last answer
+    # % of one core used during the level, per role (worker, gateway, ..., bench): cpu.py
+    cpu_pct: dict[str, float] = field(default_factory=dict)
 
 
 def body(case: Case) -> dict:

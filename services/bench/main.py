@@ -18,9 +18,12 @@ import argparse
 import asyncio
 import json
 import sys
+import time
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+from services.bench import cpu
 from services.bench.arrivals import poisson_arrivals
 from services.bench.client import LevelRun, run_closed_loop, run_open_loop
 from services.bench.inprocess import run_ceiling, run_inprocess
@@ -28,7 +31,7 @@ from services.bench.plot import MISSING, can_plot, plot
 from services.bench.progress import Progress
 from services.bench.random_model import SHAPES
 from services.bench.report import add_ratios, format_table, level_metrics
-from services.bench.server import served_dtype, server
+from services.bench.server import Served, served_dtype, server
 from services.bench.workload import (
     Case,
     dataset_workload,
@@ -171,28 +174,39 @@ def build_workload(args: argparse.Namespace, model_dir: Path) -> tuple[list[Case
     )
 
 
-def run_levels(url: str, cases: list[Case], args: argparse.Namespace) -> list[LevelRun]:
+def run_levels(served: Served, cases: list[Case], args: argparse.Namespace) -> list[LevelRun]:
     concurrency = args.concurrency
     if concurrency is None and args.request_rate is None:
         concurrency = _ints(DEFAULT_CONCURRENCY)
     show = not args.no_progress
+    url = served.url
     runs = []
     asyncio.run(run_closed_loop(url, cases[:2], 2))  # warm-up, not reported
     for level in concurrency or []:
         bar = Progress(f"c={level}", len(cases)) if show else None
-        runs.append(
-            asyncio.run(run_closed_loop(url, cases, level, bar.advance if bar else lambda: None))
-        )
+        on_done = bar.advance if bar else lambda: None
+        runs.append(_measured(served, run_closed_loop(url, cases, level, on_done)))
         if bar:
             bar.close()
     for rate in args.request_rate or []:
         bar = Progress(f"rate={rate:g}/s", len(cases)) if show else None
         send_times = poisson_arrivals(len(cases), rate, args.seed)
         on_done = bar.advance if bar else lambda: None
-        runs.append(asyncio.run(run_open_loop(url, cases, rate, send_times, on_done)))
+        runs.append(_measured(served, run_open_loop(url, cases, rate, send_times, on_done)))
         if bar:
             bar.close()
     return runs
+
+
+def _measured(served: Served, level: Coroutine[Any, Any, LevelRun]) -> LevelRun:
+    """Run one level (a coroutine not yet started) and record the CPU each part of the system
+    used meanwhile."""
+    before, started = cpu.snapshot(served.pid), time.perf_counter()
+    run = asyncio.run(level)
+    run.cpu_pct = cpu.percent_of_core(
+        before, cpu.snapshot(served.pid), time.perf_counter() - started
+    )
+    return run
 
 
 def compare_transformers(
@@ -229,8 +243,8 @@ def compare_prefix_caching(
     model_dir: Path, cases: list[Case], args: argparse.Namespace, cached: list[LevelRun]
 ) -> dict[str, Any]:
     """The same levels against a server with prefix caching off."""
-    with server(None, str(model_dir), [*args.launch_arg, "--disable-prefix-caching"]) as url:
-        uncached = run_levels(url, cases, args)
+    with server(None, str(model_dir), [*args.launch_arg, "--disable-prefix-caching"]) as served:
+        uncached = run_levels(served, cases, args)
     levels = []
     for on, off in zip(cached, uncached, strict=True):
         on_metrics, off_metrics = level_metrics(on), level_metrics(off)
@@ -264,9 +278,9 @@ def run(args: argparse.Namespace) -> int:
     cases, workload = build_workload(args, model_dir)
     if args.speculate:
         args.launch_arg = [*args.launch_arg, "--speculate", str(args.speculate)]
-    with server(args.url, str(model_dir), args.launch_arg) as url:
-        dtype = served_dtype(url) or "float32"
-        runs = run_levels(url, cases, args)
+    with server(args.url, str(model_dir), args.launch_arg) as served:
+        dtype = served_dtype(served.url) or "float32"
+        runs = run_levels(served, cases, args)
     report: dict[str, Any] = {
         "model": args.model_id or f"random {args.random_model}",
         "dtype": dtype,

@@ -35,6 +35,7 @@ def level_metrics(run: LevelRun) -> dict[str, Any]:
         "itl": Summary.of([gap for r in ok for gap in r.itls_s]).as_ms(),
         "tpot": Summary.of([t for r in ok if (t := r.tpot_s) is not None]).as_ms(),
         "e2e": Summary.of([r.e2e_s for r in ok]).as_ms(),
+        "cpu_pct": run.cpu_pct,  # % of one core per role during the level
     }
 
 
@@ -67,6 +68,10 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(row)
         lines += [f"{'':>10s} error: {error}" for error in level["errors"]]
     lines.append("(latencies in ms; tok/s = output tokens per second)")
+    for level in report["levels"]:
+        if level.get("cpu_pct"):
+            used = "  ".join(f"{role} {pct:.1f}" for role, pct in level["cpu_pct"].items())
+            lines.append(f"cpu % of one core {_label(level)}: {used}")
     for name, baseline in report.get("baselines", {}).items():
         lines.append(format_baseline(name, baseline, report["levels"]))
     for level in report.get("prefix_caching", {}).get("levels", []):

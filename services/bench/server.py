@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import httpx
 
@@ -43,15 +44,21 @@ def _stderr_fd() -> int | None:
         return None
 
 
+@dataclass(frozen=True)
+class Served:
+    url: str  # base URL to load
+    pid: int | None  # the launched `textgen launch` process (None: a server given by --url)
+
+
 @contextmanager
 def server(
     url: str | None, model_id: str, extra_args: Sequence[str] = (), timeout_s: float = 600.0
-) -> Iterator[str]:
-    """The base URL to load: `url` as given, else a launched server's (`textgen launch` with
+) -> Iterator[Served]:
+    """The server to load: `url` as given, else a launched one (`textgen launch` with
     `extra_args` added)."""
     if url is not None:
         wait_healthy(url, None, 30.0)
-        yield url.rstrip("/")
+        yield Served(url.rstrip("/"), None)
         return
     port = free_port()
     argv = [sys.executable, "-m", "services.launcher.cli", "launch", "--model-id", model_id]
@@ -62,7 +69,7 @@ def server(
     try:
         launched = f"http://127.0.0.1:{port}"
         wait_healthy(launched, process, timeout_s)
-        yield launched
+        yield Served(launched, process.pid)
     finally:
         process.terminate()
         try:

@@ -37,6 +37,9 @@ def test_smoke_run_json(stories_model):
         assert level["output_token_throughput"] > 0 and level["request_throughput"] > 0
         assert level["ttft"]["count"] == level["e2e"]["count"] == 8
         assert level["itl"]["count"] == level["output_tokens"] - 8
+        # every part of the launched system is measured, and the worker did the computing
+        assert {"worker", "scheduler", "gateway", "redis", "bench"} <= set(level["cpu_pct"])
+        assert level["cpu_pct"]["worker"] > 0
         for name in ("ttft", "itl", "e2e"):
             summary = level[name]
             assert 0 <= summary["p50_ms"] <= summary["p90_ms"] <= summary["p99_ms"]
