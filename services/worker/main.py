@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 from services.worker.distributed import (
     PORT_ENV,
@@ -47,26 +49,41 @@ async def serve(settings: Settings) -> None:
         await ops.start()  # /live answers during a long model download
     redis = connect(settings.redis_url)
     await wait_for_redis(redis)
+    # Every torch call of this process runs on this one thread: loading, the KV cache, the
+    # collectives and every forward. libgomp gives each thread that enters a parallel region a
+    # team of its own, and with more team threads than cores it spins only briefly at barriers
+    # before sleeping; a second team (the model loaded on another thread) cut throughput by a
+    # fifth and left a core a third idle.
+    torch_thread = ThreadPoolExecutor(1, thread_name_prefix="torch")
+    loop = asyncio.get_running_loop()
+
+    def on_torch_thread(function, *args, **kwargs):
+        return loop.run_in_executor(torch_thread, functools.partial(function, *args, **kwargs))
+
     shards: ShardProcesses | None = None
     device = settings.device
     if settings.num_shard > 1:  # rank 0 of a tensor-parallel group
         shards = ShardProcesses(settings.num_shard)
-        shard = await asyncio.to_thread(
+        shard = await on_torch_thread(
             join_group, 0, settings.num_shard, shards.port, pick_device(device)
         )
         device = str(shard.device)
     if settings.fake_step_ms is not None:  # simulated worker: no weights
-        loaded = await asyncio.to_thread(fake_model, settings.model_id, settings.revision)
+        loaded = await on_torch_thread(fake_model, settings.model_id, settings.revision)
     else:
-        loaded = await asyncio.to_thread(_load, settings, device)
-    service = WorkerService(
-        settings, loaded, redis, on_plan=broadcast_plan if shards is not None else None
+        loaded = await on_torch_thread(_load, settings, device)
+    service = await on_torch_thread(
+        WorkerService,
+        settings,
+        loaded,
+        redis,
+        on_plan=broadcast_plan if shards is not None else None,
+        torch_thread=torch_thread,
     )
     if shards is not None:
-        await asyncio.to_thread(broadcast_int, service.runner.kv_cache.num_blocks)
+        await on_torch_thread(broadcast_int, service.runner.kv_cache.num_blocks)
         shards.watch()
     holder.append(service)
-    loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, service.request_stop)
     if ops is not None:

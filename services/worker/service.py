@@ -42,7 +42,9 @@ class WorkerService:
         loaded: LoadedModel,
         redis: aioredis.Redis,
         on_plan: Callable[[StepPlan], object] | None = None,
+        torch_thread: ThreadPoolExecutor | None = None,
     ) -> None:
+        """Build it on `torch_thread` (it allocates the KV cache): see services/worker/main.py."""
         self.on_plan = on_plan  # tensor parallel: hands each plan to the other ranks first
         self.settings = settings
         self.loaded = loaded
@@ -86,9 +88,8 @@ class WorkerService:
         self._ready_bytes = encode(self.ready_message())
         self.is_last_step_ok = True  # a failed step makes the group unhealthy until one succeeds
         self.stop_at: float | None = None  # unix s; set by request_stop()
-        # every forward on one thread: each thread that calls into torch gets its own OpenMP
-        # team, and idle teams spinning beside the busy one halved CPU step speed
-        self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="forward")
+        # every forward on the thread that loaded the model: see services/worker/main.py
+        self._forward_thread = torch_thread or ThreadPoolExecutor(1, thread_name_prefix="torch")
 
     def ready_message(self) -> WorkerReady:
         cache = self.runner.kv_cache
