@@ -21,7 +21,9 @@ CASES = [(prompt_text(i, 3 + (i * 5) % 20), 150 + (i * 37) % 200) for i in range
 
 @pytest.fixture
 def cluster(own_cluster):
-    return own_cluster("--claim-timeout", "2", num_gateways=2)
+    # each group holds at most 8 of the 16 streams: a scheduler pulls all it has room for, so
+    # with room for all of them one group could take every stream and leave g0 idle
+    return own_cluster("--claim-timeout", "2", "--max-batch-size", "8", num_gateways=2)
 
 
 async def stream(client: httpx.AsyncClient, url: str, prompt: str, n: int) -> list[dict]:
@@ -44,11 +46,13 @@ def run_while_killing(cluster: Cluster, victim: str) -> list[list[dict]]:
                 asyncio.ensure_future(stream(client, cluster.gateway_urls[i % 2], p, n))
                 for i, (p, n) in enumerate(CASES)
             ]
-            while True:  # kill once group g0 is busy
+            for _ in range(3000):  # kill once group g0 is busy (30 s at most)
                 stats = cluster.stats().get("g0")
                 if stats is not None and stats.num_running >= 2:
                     break
                 await asyncio.sleep(0.01)
+            else:
+                pytest.fail(f"group g0 never ran 2 requests: {cluster.stats()}")
             cluster.processes[victim].send_signal(signal.SIGKILL)
             return await asyncio.gather(*tasks)
 
