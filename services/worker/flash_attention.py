@@ -115,11 +115,7 @@ def make_metadata(
     """The step's FlashMetadata; each block table is cut to the blocks its context fills and
     padded with 0 to the longest, and everything goes to the device in one copy."""
     num_requests = len(context_lens)
-    used = [-(-length // block_size) for length in context_lens]
-    max_blocks = max(used)
-    table = [0] * (num_requests * max_blocks)
-    for i, (blocks, num_used) in enumerate(zip(block_tables, used, strict=True)):
-        table[i * max_blocks : i * max_blocks + num_used] = blocks[:num_used]
+    table, max_blocks = PagedKVCache.padded_block_tables(block_tables, context_lens, block_size)
     cu_seqlens_k = [0]
     for length in context_lens:
         cu_seqlens_k.append(cu_seqlens_k[-1] + length)

@@ -92,6 +92,19 @@ class PagedKVCache:
             "" if allocate else " (accounted; the model keeps its own caches)",
         )
 
+    @staticmethod
+    def padded_block_tables(
+        block_tables: list[list[int]], context_lens: list[int], block_size: int
+    ) -> tuple[list[int], int]:
+        """The block tables, each cut to the blocks its context fills and padded with 0 to the
+        longest, row-major: ([num_requests * max_blocks] block ids, max_blocks)."""
+        used = [-(-length // block_size) for length in context_lens]
+        max_blocks = max(used)
+        table = [0] * (len(block_tables) * max_blocks)
+        for i, (blocks, num_used) in enumerate(zip(block_tables, used, strict=True)):
+            table[i * max_blocks : i * max_blocks + num_used] = blocks[:num_used]
+        return table, max_blocks
+
     def slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         """Slots of a request's first num_tokens tokens. [num_tokens]"""
         blocks = torch.tensor(block_ids, dtype=torch.long)

@@ -50,7 +50,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each packed token
     query_start: list[int]  # [num_requests + 1] offsets of each request's queries
     context_lens: list[int]  # [num_requests] cached tokens per request after this step
-    context_slots: list[torch.Tensor]  # per request: [context_len] slots of all its tokens
+    context_slots: list[torch.Tensor]  # per request: [context_len] slots (empty: flash path)
     decodes: DecodeGroup | None = None  # single-query requests, attended together
     prefill_indices: list[int] | None = None  # requests attended one by one (None: all)
     # set on CUDA with flash-attn: every request attended in one flash_attn_varlen_func call
@@ -66,11 +66,7 @@ def make_decode_group(
 ) -> DecodeGroup:
     """Pad the decodes' block tables (each cut to the blocks its context fills) to the
     longest one."""
-    used = [-(-length // block_size) for length in context_lens]
-    max_blocks = max(used)
-    table = [0] * (len(rows) * max_blocks)
-    for i, (blocks, num_used) in enumerate(zip(block_tables, used, strict=True)):
-        table[i * max_blocks : i * max_blocks + num_used] = blocks[:num_used]
+    table, max_blocks = PagedKVCache.padded_block_tables(block_tables, context_lens, block_size)
     lengths = torch.tensor(context_lens)
     mask = torch.arange(max_blocks * block_size)[None, :] < lengths[:, None]
     return DecodeGroup(

@@ -131,6 +131,7 @@ class ModelRunner:
         prompt_owners: list[RequestState] = []
         draft_rows: list[int] = []
         draft_owners: list[RequestState] = []
+        is_flash = self.attention == flash_attention.FLASH_ATTN  # reads neither slots nor decodes
         for state in scheduled:
             start = state.num_computed_tokens
             end = start + state.num_scheduled_tokens
@@ -140,7 +141,8 @@ class ModelRunner:
             positions.extend(range(start, stop))
             slots = self.kv_cache.slots(state.block_ids, stop)  # [stop]
             slot_chunks.append(slots[start:stop])
-            context_slots.append(slots.to(self.device))
+            if not is_flash:
+                context_slots.append(slots.to(self.device))
             context_lens.append(stop)
             query_start.append(query_start[-1] + stop - start)
             if state.samples_this_step:
@@ -165,12 +167,12 @@ class ModelRunner:
             context_lens=context_lens,
             context_slots=context_slots,
         )
-        if self.attention == flash_attention.FLASH_ATTN:  # built once per step, for every layer
+        if is_flash:  # built once per step, for every layer
             block_tables = [s.block_ids for s in scheduled]
             metadata.flash = flash_attention.make_metadata(
                 query_start, context_lens, block_tables, self.kv_cache.block_size, self.device
             )
-        if len(decode_indices) > 1:
+        elif len(decode_indices) > 1:
             metadata.decodes = make_decode_group(
                 [query_start[i] for i in decode_indices],
                 [scheduled[i].block_ids for i in decode_indices],
