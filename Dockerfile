@@ -80,6 +80,11 @@ CMD ["gateway", "--hostname", "0.0.0.0"]
 
 # ---- worker ----------------------------------------------------------------------------------
 FROM base AS worker
+# A C compiler: at its first start the worker builds its CPU kernels for the host's own CPU
+# (services/worker/kernels); without one it runs transformers' modules, slower.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 COPY --from=build-worker /opt/venv /opt/venv
 # Read by the NVIDIA container toolkit; harmless on CPU.
 ENV NVIDIA_VISIBLE_DEVICES=all \

@@ -95,6 +95,11 @@ class Settings(BaseSettings):
     speculate: int = Field(
         0, description="tokens proposed per step by n-gram prompt lookup (greedy requests)"
     )
+    disable_cpu_kernels: bool = Field(
+        False,
+        description="on the CPU, run transformers' own modules instead of textgen's fast "
+        "decoder for Llama, Mistral and Qwen2 models",
+    )
     fake_step_ms: float | None = Field(
         None, description="simulate the worker: each step takes this long, no model is loaded"
     )

@@ -63,11 +63,14 @@ class Engine:
         device: str | None = None,
         quantize: str | None = None,
         speculate: int = 0,
+        cpu_kernels: bool = True,
     ) -> None:
         self.loaded = (
             model_id
             if isinstance(model_id, LoadedModel)
-            else load_model(model_id, dtype=dtype, device=device, quantize=quantize)
+            else load_model(
+                model_id, dtype=dtype, device=device, quantize=quantize, cpu_kernels=cpu_kernels
+            )
         )
         is_paged = self.loaded.runner == "paged"
         block_size = flash_block_size(

@@ -138,10 +138,12 @@ class Seq2SeqRunner(FallbackRunner):
 
 
 def make_runner(loaded, cache, num_speculative_tokens: int = 0) -> ModelRunner:
-    """The runner the loaded model needs (LoadedModel.runner: paged, fallback, seq2seq)."""
+    """The runner the loaded model needs (LoadedModel.runner: paged, fallback, seq2seq); the
+    paged runner forwards through the fast CPU decoder where that can run the model."""
     runner_class = {FALLBACK: FallbackRunner, SEQ2SEQ: Seq2SeqRunner}.get(
         loaded.runner, ModelRunner
     )
+    extra = {"decoder": loaded.decoder} if runner_class is ModelRunner else {}
     return runner_class(
         loaded.model,
         cache,
@@ -149,4 +151,5 @@ def make_runner(loaded, cache, num_speculative_tokens: int = 0) -> ModelRunner:
         loaded.max_model_len,
         loaded.device,
         num_speculative_tokens=num_speculative_tokens,
+        **extra,
     )

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from services.worker import paged_attention
+from services.worker import fast_decoder, flash_attention, paged_attention
 from services.worker.kv_cache import CacheShape
 from services.worker.quantization import QuantizationError, quantization_config
 from shared.model_files import context_length, eos_token_ids, resolve_model_dir
@@ -32,6 +32,9 @@ class LoadedModel:
     max_model_len: int
     device: torch.device
     runner: str = "paged"  # "paged" (attention reads the paged cache), FALLBACK or SEQ2SEQ
+    # runs the paged forward pass instead of the model's modules (CPU; its linear weights moved
+    # into it): services/worker/fast_decoder.py
+    decoder: fast_decoder.FastDecoder | None = None
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -108,9 +111,11 @@ def load_model(
     trust_remote_code: bool = False,
     quantize: str | None = None,
     world_size: int = 1,
+    cpu_kernels: bool = True,
 ) -> LoadedModel:
     """The model, ready for the paged engine. With world_size > 1 the caller has joined a
-    torch.distributed group (services.worker.distributed) and gets this rank's shard."""
+    torch.distributed group (services.worker.distributed) and gets this rank's shard. With
+    cpu_kernels, a paged model the fast decoder can run on this CPU runs on it."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     paged_attention.register()
@@ -172,6 +177,9 @@ def load_model(
         head_dim=head_dim,
         dtype=torch_dtype,
     )
+    decoder = None
+    if runner == "paged" and cpu_kernels and not flash_attention.is_available(target, shape):
+        decoder = fast_decoder.build(model, target, quantize, world_size)
     log.info(
         "loaded %s (%s%s, %s) from %s",
         model_id,
@@ -188,4 +196,5 @@ def load_model(
         max_model_len=context_length(folder),
         device=target,
         runner=runner,
+        decoder=decoder,
     )

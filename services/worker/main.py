@@ -104,6 +104,7 @@ def _load(settings: Settings, device: str | None) -> LoadedModel:
         settings.trust_remote_code,
         settings.quantize,
         settings.num_shard,
+        cpu_kernels=not settings.disable_cpu_kernels,
     )
 
 

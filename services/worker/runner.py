@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from services.worker import flash_attention
+from services.worker.fast_decoder import FAST_DECODER, FastDecoder, StepTables
 from services.worker.int8_rows import isolate_int8_rows
 from services.worker.kv_cache import PagedKVCache
 from services.worker.paged_attention import (
@@ -51,6 +52,7 @@ class PackedBatch:
     draft_rows: list[int]  # packed rows of speculative proposals (their logits verify)
     draft_owners: list[RequestState]  # the request of each of draft_rows
     states: list[RequestState]  # the scheduled requests, in packed order
+    tables: StepTables | None = None  # for the fast decoder, when it runs the model
 
 
 class ModelRunner:
@@ -62,8 +64,10 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device,
         num_speculative_tokens: int = 0,
+        decoder: FastDecoder | None = None,
     ) -> None:
         self.model = model
+        self.decoder = decoder  # runs the forward pass instead of the model's modules if set
         self.num_speculative_tokens = num_speculative_tokens  # n-gram proposals per step
         self.kv_cache = kv_cache
         self.eos_token_ids = set(eos_token_ids)
@@ -71,7 +75,8 @@ class ModelRunner:
         self.device = device
         self.requests: dict[str, RequestState] = {}
         self.int8_rows = isolate_int8_rows(model)  # None unless LLM.int8() layers
-        self.attention = flash_attention.kernel_for(kv_cache, device)  # "flash-attn" or "sdpa"
+        # "cpu-kernels", "flash-attn" or "sdpa"
+        self.attention = FAST_DECODER if decoder else flash_attention.kernel_for(kv_cache, device)
 
     def execute(self, plan: StepPlan) -> StepOutcome:
         started = time.perf_counter()
@@ -131,7 +136,8 @@ class ModelRunner:
         prompt_owners: list[RequestState] = []
         draft_rows: list[int] = []
         draft_owners: list[RequestState] = []
-        is_flash = self.attention == flash_attention.FLASH_ATTN  # reads neither slots nor decodes
+        # flash-attn and the fast decoder read neither the context slots nor the decode group
+        reads_tables = self.attention in (flash_attention.FLASH_ATTN, FAST_DECODER)
         for state in scheduled:
             start = state.num_computed_tokens
             end = start + state.num_scheduled_tokens
@@ -141,7 +147,7 @@ class ModelRunner:
             positions.extend(range(start, stop))
             slots = self.kv_cache.slots(state.block_ids, stop)  # [stop]
             slot_chunks.append(slots[start:stop])
-            if not is_flash:
+            if not reads_tables:
                 context_slots.append(slots.to(self.device))
             context_lens.append(stop)
             query_start.append(query_start[-1] + stop - start)
@@ -167,8 +173,17 @@ class ModelRunner:
             context_lens=context_lens,
             context_slots=context_slots,
         )
-        if is_flash:  # built once per step, for every layer
-            block_tables = [s.block_ids for s in scheduled]
+        tables = None
+        block_tables = [s.block_ids for s in scheduled]
+        if self.decoder is not None:  # built once per step, for every layer
+            tables = StepTables.build(
+                query_start,
+                context_lens,
+                block_tables,
+                self.kv_cache.block_size,
+                metadata.slot_mapping,
+            )
+        elif self.attention == flash_attention.FLASH_ATTN:
             metadata.flash = flash_attention.make_metadata(
                 query_start, context_lens, block_tables, self.kv_cache.block_size, self.device
             )
@@ -194,6 +209,7 @@ class ModelRunner:
             draft_rows=draft_rows,
             draft_owners=draft_owners,
             states=scheduled,
+            tables=tables,
         )
 
     def _drafts(self, state: RequestState, end: int) -> list[int]:
@@ -220,20 +236,26 @@ class ModelRunner:
         extra = batch.draft_rows + batch.prompt_rows
         if extra:
             extra_rows = torch.tensor(extra, dtype=torch.long, device=self.device)
-            logits_to_keep: int | torch.Tensor = torch.cat([batch.sample_rows, extra_rows])
-        elif not batch.sampling:
-            logits_to_keep = 1  # nothing samples; keep the cost minimal
+            keep_rows = torch.cat([batch.sample_rows, extra_rows])
+        elif not batch.sampling:  # nothing samples; keep the cost minimal
+            keep_rows = torch.tensor([batch.input_ids.shape[1] - 1], device=self.device)
         else:
-            logits_to_keep = batch.sample_rows
-        with self.int8_rows.active(batch.metadata.query_start) if self.int8_rows else nullcontext():
-            output = self.model(
-                input_ids=batch.input_ids,
-                position_ids=batch.position_ids,
-                use_cache=False,
-                logits_to_keep=logits_to_keep,
-                **{METADATA_KWARG: batch.metadata},
+            keep_rows = batch.sample_rows
+        if batch.tables is not None and self.decoder is not None:
+            logits = self.decoder(
+                batch.input_ids[0], batch.position_ids[0], batch.tables, self.kv_cache, keep_rows
             )
-        logits = output.logits[0]
+        else:
+            rows = batch.metadata.query_start
+            with self.int8_rows.active(rows) if self.int8_rows else nullcontext():
+                output = self.model(
+                    input_ids=batch.input_ids,
+                    position_ids=batch.position_ids,
+                    use_cache=False,
+                    logits_to_keep=keep_rows,
+                    **{METADATA_KWARG: batch.metadata},
+                )
+            logits = output.logits[0]
         num_kept = len(batch.sampling) + len(batch.draft_rows)
         if batch.prompt_rows:
             self._score_prompt(batch, logits[num_kept:])

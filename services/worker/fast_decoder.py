@@ -1,0 +1,258 @@
+"""A hand-written forward pass for Llama-shaped decoders on the CPU (Llama, Mistral, Qwen2,
+and checkpoints of their shape such as SmolLM2), over the same paged KV cache and packed
+batch as the generic path.
+
+Why: transformers' modules spend most of a CPU decode step outside the matmuls (at batch 32
+on a SmolLM2-135M shape, 134 ms per step of which the linear layers' useful work is ~25 ms):
+oneDNN re-packs every bfloat16 weight at each call, and each layer runs ~60 small ops. Here a
+layer is four matmuls on weights packed once at load (q/k/v fused, gate/up fused) and four
+kernels (services/worker/kernels):
+
+    x -> rms_norm -> qkv matmul -> rope_store (rotate q, k; write k, v to the cache)
+      -> paged_attention -> o matmul -> rms_norm(+ residual) -> gate_up matmul -> silu_mul
+      -> down matmul -> (residual added by the next layer's rms_norm)
+
+Each op rounds as transformers' does (bfloat16 results of float32 arithmetic), so outputs
+stay equal to transformers' generate; only reduction orders differ (the norm's mean, the
+attention's softmax), as between any two kernels. The model's own rotary embedding module
+gives cos/sin, so every rope scaling variant is the model's.
+
+The KV cache keeps the worker's allocation ([num_slots, num_kv_heads, head_dim] per layer) but
+the decoder, its only reader and writer, lays each block out head-major with keys transposed
+(services/worker/kernels/cpu_kernels.c draws it), so the attention kernel reads a tile of keys
+as contiguous rows.
+
+Used when the model is one of these architectures with SiLU MLPs, float32 or bfloat16, on one
+CPU rank, unquantized, and the kernels build (`build()` says why not otherwise). Building it
+moves the linear weights into the packed layout: the transformers module keeps only its
+embeddings, norms and rotary embedding afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.worker import kernels
+from services.worker.kv_cache import PagedKVCache
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = ("llama", "mistral", "qwen2")  # config.model_type values of this shape
+FAST_DECODER = "cpu-kernels"  # the attention name the worker reports (/info model_attention)
+
+
+@dataclass
+class StepTables:
+    """One step's request layout for the attention kernel, built once for all layers."""
+
+    query_start: torch.Tensor  # [num_requests + 1] int64 offsets of each request's queries
+    context_lens: torch.Tensor  # [num_requests] int64 keys cached per request after the step
+    block_tables: torch.Tensor  # [num_requests, max_blocks] int64 block ids, padded with 0
+    slot_mapping: torch.Tensor  # [num_tokens] int64 cache slot of each packed token
+
+    @classmethod
+    def build(
+        cls,
+        query_start: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        slot_mapping: torch.Tensor,
+    ) -> StepTables:
+        table, max_blocks = PagedKVCache.padded_block_tables(block_tables, context_lens, block_size)
+        return cls(
+            query_start=torch.tensor(query_start, dtype=torch.int64),
+            context_lens=torch.tensor(context_lens, dtype=torch.int64),
+            block_tables=torch.tensor(table, dtype=torch.int64).view(len(context_lens), -1),
+            slot_mapping=slot_mapping,
+        )
+
+
+class PackedLinear:
+    """y = x W^T + b on a weight packed once for oneDNN (bfloat16 and float32 matmuls
+    otherwise re-pack it at every call, which costs as much as the product at small batch).
+    Outputs equal F.linear's in bfloat16; in float32 they may differ in the last bits."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.bias = bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [num_rows, in] -> [num_rows, out]
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
+
+
+def _concat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
+    biases = [linear.bias for linear in linears]
+    if all(bias is None for bias in biases):
+        return None
+    return torch.cat(
+        [
+            bias.detach() if bias is not None else linear.weight.new_zeros(linear.out_features)
+            for bias, linear in zip(biases, linears, strict=True)
+        ]
+    )
+
+
+def _pack(*linears: torch.nn.Linear) -> PackedLinear:
+    """One packed matmul for linears that read the same input; their weights are released."""
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    packed = PackedLinear(weight, _concat_bias(*linears))
+    for linear in linears:
+        linear.weight = torch.nn.Parameter(linear.weight.new_empty(0), requires_grad=False)
+    return packed
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor  # [hidden] RMSNorm weight before attention
+    qkv: PackedLinear  # hidden -> (num_heads + 2 * num_kv_heads) * head_dim
+    o: PackedLinear  # num_heads * head_dim -> hidden
+    post_norm: torch.Tensor  # [hidden] RMSNorm weight before the MLP
+    gate_up: PackedLinear  # hidden -> 2 * intermediate
+    down: PackedLinear  # intermediate -> hidden
+    sliding_window: int | None  # keys a query sees (its own included); None: all before it
+    scaling: float  # of the attention scores
+
+
+def unsupported_reason(
+    model: torch.nn.Module, device: torch.device, quantize: str | None, world_size: int
+) -> str | None:
+    """Why the fast decoder cannot run this model, or None when it can."""
+    config = model.config
+    if device.type != "cpu":
+        return f"it runs on the CPU only, not {device.type}"
+    if getattr(config, "model_type", None) not in ARCHITECTURES:
+        return f"{config.model_type} is not one of {', '.join(ARCHITECTURES)}"
+    if quantize or getattr(config, "quantization_config", None):
+        return "the model is quantized"
+    if world_size > 1:
+        return "the model is sharded over tensor-parallel ranks"
+    if getattr(config, "hidden_act", None) != "silu" or getattr(config, "mlp_bias", False):
+        return "its MLP is not a bias-free SiLU gate"
+    dtype = model.dtype
+    if not kernels.CpuKernels.supports(dtype):
+        return f"{dtype} is not float32 or bfloat16"
+    if not torch.backends.mkldnn.is_available() or (
+        dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    ):
+        return f"oneDNN cannot run {dtype} matmuls here"
+    decoder = getattr(model, "model", None)
+    if decoder is None or not hasattr(decoder, "rotary_emb") or not hasattr(decoder, "layers"):
+        return f"{type(model).__name__} is not laid out as a Llama"
+    head_dim = decoder.layers[0].self_attn.head_dim
+    if head_dim % kernels.KEY_TILE or head_dim > kernels.MAX_HEAD_DIM:
+        return (
+            f"its head dimension {head_dim} is not a multiple of {kernels.KEY_TILE} "
+            f"up to {kernels.MAX_HEAD_DIM}"
+        )
+    return None
+
+
+class FastDecoder:
+    """`decoder(input_ids, position_ids, tables, kv_cache, keep_rows)` -> the logits of the
+    kept rows, for a batch packed as one sequence (services/worker/runner.py)."""
+
+    def __init__(self, model: torch.nn.Module, ops: kernels.CpuKernels) -> None:
+        self.ops = ops
+        config = model.config
+        decoder = model.model
+        self.rotary = decoder.rotary_emb
+        self.embed = decoder.embed_tokens.weight.detach()  # [vocab, hidden]
+        self.norm = decoder.norm.weight.detach()
+        self.eps = decoder.norm.variance_epsilon
+        first = decoder.layers[0].self_attn
+        self.head_dim = first.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or self.num_heads
+        self.layers = [self._layer(layer, config) for layer in decoder.layers]
+        self.lm_head = PackedLinear(model.get_output_embeddings().weight.detach())
+        head = model.get_output_embeddings()
+        if head.weight.data_ptr() != self.embed.data_ptr():  # untied: release the copy
+            head.weight = torch.nn.Parameter(head.weight.new_empty(0), requires_grad=False)
+
+    def _layer(self, layer: torch.nn.Module, config) -> Layer:
+        attention, mlp = layer.self_attn, layer.mlp
+        if hasattr(attention, "sliding_window"):
+            window = attention.sliding_window
+        else:  # Mistral's attention reads it from the config
+            window = getattr(config, "sliding_window", None)
+        return Layer(
+            input_norm=layer.input_layernorm.weight.detach(),
+            qkv=_pack(attention.q_proj, attention.k_proj, attention.v_proj),
+            o=_pack(attention.o_proj),
+            post_norm=layer.post_attention_layernorm.weight.detach(),
+            gate_up=_pack(mlp.gate_proj, mlp.up_proj),
+            down=_pack(mlp.down_proj),
+            sliding_window=window,
+            scaling=attention.scaling,
+        )
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        position_ids: torch.Tensor,  # [num_tokens]
+        tables: StepTables,
+        kv_cache: PagedKVCache,
+        keep_rows: torch.Tensor,  # [num_kept] packed rows whose logits are wanted
+    ) -> torch.Tensor:  # [num_kept, vocab]
+        ops = self.ops
+        block_size = kv_cache.block_size
+        hidden = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
+        cos, sin = self.rotary(hidden, position_ids[None])  # [1, num_tokens, head_dim] each
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        residual = hidden.clone()  # the skip connection's running sum
+        x = ops.rms_norm(hidden, self.layers[0].input_norm, self.eps)
+        for index, layer in enumerate(self.layers):
+            k_cache, v_cache = kv_cache.keys[index], kv_cache.values[index]
+            qkv = layer.qkv(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+            ops.rope_store(
+                qkv, cos, sin, k_cache, v_cache, tables.slot_mapping, self.num_heads, block_size
+            )
+            attended = ops.paged_attention(
+                qkv,
+                k_cache,
+                v_cache,
+                tables.query_start,
+                tables.context_lens,
+                tables.block_tables,
+                block_size,
+                self.num_heads,
+                layer.scaling,
+                layer.sliding_window,
+            )  # [num_tokens, num_heads * head_dim]
+            x = ops.rms_norm(layer.o(attended), layer.post_norm, self.eps, residual=residual)
+            mlp_out = layer.down(ops.silu_mul(layer.gate_up(x)))
+            if index + 1 < len(self.layers):
+                x = ops.rms_norm(
+                    mlp_out, self.layers[index + 1].input_norm, self.eps, residual=residual
+                )
+        kept = mlp_out.index_select(0, keep_rows)
+        summed = residual.index_select(0, keep_rows)
+        return self.lm_head(ops.rms_norm(kept, self.norm, self.eps, residual=summed))
+
+
+def build(
+    model: torch.nn.Module, device: torch.device, quantize: str | None, world_size: int
+) -> FastDecoder | None:
+    """The fast decoder for `model`, or None (with the reason logged) where it cannot run;
+    building it moves the model's linear weights into the decoder."""
+    reason = unsupported_reason(model, device, quantize, world_size)
+    ops = None if reason else kernels.load()
+    if reason is None and ops is None:
+        reason = "the CPU kernels could not be built"
+    if reason is not None:
+        log.info("fast CPU decoder not used: %s", reason)
+        return None
+    decoder = FastDecoder(model, ops)
+    log.info(
+        "fast CPU decoder: %d layers, %s, matmuls on packed weights",
+        len(decoder.layers),
+        model.dtype,
+    )
+    return decoder

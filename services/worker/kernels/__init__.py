@@ -1,0 +1,240 @@
+"""The worker's CPU kernels (cpu_kernels.c): compiled on first use, loaded with ctypes.
+
+`load()` returns a `CpuKernels` whose methods take and fill torch tensors (float32 or
+bfloat16, contiguous as each method says), or None where no C compiler is found or the build
+fails: the worker then runs transformers' own modules. The library is built once per source,
+compiler and CPU into ~/.cache/textgen/kernels (`-march=native`: it is specific to this CPU)
+and reused by every later process; concurrent builders each write a private file and rename
+it into place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).parent
+SOURCES = ("cpu_kernels.c", "cpu_kernels.inc")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+BUILD_TIMEOUT_S = 120
+SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the element types compiled
+KEY_TILE = 16  # keys the attention kernel scores at once: block sizes must be multiples
+MAX_HEAD_DIM = 256  # the attention kernel's largest head dimension (cpu_kernels.c)
+
+_i64 = ctypes.c_int64
+_ptr = ctypes.c_void_p
+_SIGNATURES = {  # argument types of each kernel (cpu_kernels.inc documents them)
+    "rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int],
+    "rope_store": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, ctypes.c_int],
+    "silu_mul": [_ptr, _ptr, _i64, _i64, ctypes.c_int],
+    "paged_attention": [
+        *[_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
+        *[_i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64, ctypes.c_int],
+    ],
+}
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "textgen" / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            lines = [
+                line for line in cpuinfo if line.startswith(("model name", "flags", "vendor_id"))
+            ]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _library_path(compiler: str) -> Path:
+    digest = hashlib.sha256()
+    for name in SOURCES:
+        digest.update((SOURCE_DIR / name).read_bytes())
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30
+    ).stdout
+    for part in (version, " ".join(FLAGS), _cpu_identity(), platform.machine()):
+        digest.update(part.encode())
+    return cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, private = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(handle)
+    started = time.perf_counter()
+    try:
+        subprocess.run(
+            [compiler, *FLAGS, "-o", private, str(SOURCE_DIR / "cpu_kernels.c")],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+        )
+        os.replace(private, target)
+    finally:
+        if os.path.exists(private):
+            os.unlink(private)
+    log.info("built CPU kernels in %.1f s: %s", time.perf_counter() - started, target)
+
+
+@functools.cache
+def load() -> CpuKernels | None:
+    """The kernels, built if needed; None (logged once) where they cannot be."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64"):
+        log.info("CPU kernels: not built on %s/%s", platform.system(), platform.machine())
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("CPU kernels: no C compiler (cc, gcc or $CC) found; using torch ops")
+        return None
+    try:
+        path = _library_path(compiler)
+        if not path.exists():
+            _build(compiler, path)
+        return CpuKernels(ctypes.CDLL(str(path)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or ""
+        log.warning("CPU kernels unavailable (%s) %s; using torch ops", exc, detail[-2000:])
+        return None
+
+
+def _address(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+class CpuKernels:
+    """Typed calls into the compiled library. Every tensor is on the CPU, contiguous, and of
+    one element type (float32 or bfloat16) per call."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._functions = {}
+        for name, argtypes in _SIGNATURES.items():
+            for dtype, suffix in SUFFIXES.items():
+                function = getattr(library, f"{name}_{suffix}")
+                function.argtypes = argtypes
+                function.restype = None
+                self._functions[name, dtype] = function
+
+    @staticmethod
+    def supports(dtype: torch.dtype) -> bool:
+        return dtype in SUFFIXES
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,  # [num_rows, dim]
+        weight: torch.Tensor,  # [dim]
+        eps: float,
+        residual: torch.Tensor | None = None,  # [num_rows, dim]: becomes x + residual
+    ) -> torch.Tensor:
+        """weight * RMSNorm(x), or of x + residual (which `residual` then holds). [num_rows, dim]"""
+        out = torch.empty_like(x)
+        num_rows, dim = x.shape
+        self._functions["rms_norm", x.dtype](
+            x.data_ptr(),
+            _address(residual),
+            weight.data_ptr(),
+            out.data_ptr(),
+            num_rows,
+            dim,
+            eps,
+            torch.get_num_threads(),
+        )
+        return out
+
+    def rope_store(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        cos: torch.Tensor,  # [num_tokens, head_dim]
+        sin: torch.Tensor,  # [num_tokens, head_dim]
+        k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim] storage, block layout
+        v_cache: torch.Tensor,  # (cpu_kernels.c)
+        slots: torch.Tensor,  # [num_tokens] int64
+        num_heads: int,
+        block_size: int,
+    ) -> None:
+        """Rotate the query and key heads in place; write keys and values to the cache."""
+        _num_slots, num_kv_heads, head_dim = k_cache.shape
+        self._functions["rope_store", qkv.dtype](
+            qkv.data_ptr(),
+            qkv.shape[0],
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            slots.data_ptr(),
+            block_size,
+            torch.get_num_threads(),
+        )
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of rows [gate | up]. [num_rows, 2 * width] -> [num_rows, width]"""
+        num_rows, double = gate_up.shape
+        out = gate_up.new_empty(num_rows, double // 2)
+        self._functions["silu_mul", gate_up.dtype](
+            gate_up.data_ptr(), out.data_ptr(), num_rows, double // 2, torch.get_num_threads()
+        )
+        return out
+
+    def paged_attention(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, >= num_heads * head_dim]: the queries lead each row
+        k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim] storage, block layout
+        v_cache: torch.Tensor,  # (cpu_kernels.c)
+        query_start: torch.Tensor,  # [num_requests + 1] int64
+        context_lens: torch.Tensor,  # [num_requests] int64
+        block_tables: torch.Tensor,  # [num_requests, max_blocks] int64
+        block_size: int,
+        num_heads: int,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Causal attention over the paged cache. [num_tokens, num_heads * head_dim]"""
+        _num_slots, num_kv_heads, head_dim = k_cache.shape
+        out = qkv.new_empty(qkv.shape[0], num_heads * head_dim)
+        num_requests, max_blocks = block_tables.shape
+        self._functions["paged_attention", qkv.dtype](
+            qkv.data_ptr(),
+            qkv.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            out.data_ptr(),
+            query_start.data_ptr(),
+            context_lens.data_ptr(),
+            block_tables.data_ptr(),
+            max_blocks,
+            num_requests,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            scale,
+            sliding_window or 0,
+            torch.get_num_threads(),
+        )
+        return out

@@ -1,0 +1,88 @@
+/* CPU kernels of the fast decoder path (services/worker/fast_decoder.py), for float32 and
+ * bfloat16 tensors. services/worker/kernels/build.py compiles this file on first use with
+ * -O3 -march=native -fopenmp -ffp-contract=off and loads it with ctypes.
+ *
+ * The element-wise kernels round where transformers' modeling code rounds (every bfloat16
+ * op computes in float32 and rounds its result), with no fused multiply-adds
+ * (-ffp-contract=off), so their outputs equal the eager ops'. The attention kernel
+ * accumulates in float32 in its own order, as any attention kernel does.
+ *
+ * The KV cache: the worker allocates each layer's keys and values as [num_slots, num_kv_heads,
+ * head_dim] (slot = block * block_size + offset); the fast decoder, its only reader and
+ * writer, lays a block out head-major instead, keys transposed so that KEY_TILE consecutive
+ * keys of one dimension are contiguous:
+ *
+ *     k_cache: [num_blocks, num_kv_heads, head_dim, block_size]   (key j, dim d: [..., d, j])
+ *     v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+ *
+ * OpenMP: libgomp.so.1 is already loaded by torch when this library is, so these parallel
+ * regions use torch's own thread team (a second team would fight it for the cores). */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef uint16_t bf16_t;
+typedef float vec16 __attribute__((vector_size(64))); /* KEY_TILE floats */
+
+static inline float bf16_to_float(bf16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+
+/* round to nearest even, as torch's c10::BFloat16 does; NaN stays a NaN */
+static inline bf16_t float_to_bf16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    uint32_t rounded = (v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16;
+    return f != f ? (bf16_t)0x7FC0 : (bf16_t)rounded;
+}
+
+/* e^x for x in [-87, 88] (clamped outside), within 2 ulp: Cody-Waite reduction and a
+ * degree-6 polynomial, written so that loops over it vectorize */
+static inline float exp_clamped(float x) {
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x; /* not fminf/fmaxf: those do not vectorize */
+    /* n = round(x / ln 2) by the 1.5 * 2^23 trick (floorf does not vectorize) */
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+#define PARALLEL_MIN_ELEMENTS 32768 /* smaller element-wise work runs on one thread */
+#define KEY_TILE 16                  /* keys scored together in the attention kernel */
+#define MAX_TILE_ROWS 48             /* query rows (queries x heads of a KV group) per item */
+#define MAX_QUERY_TILE 16            /* queries of one request per attention work item */
+#define MAX_HEAD_DIM 256             /* the attention kernel's largest head dimension, a
+                                        multiple of KEY_TILE as every head dimension must be */
+
+#define CONCAT_(a, b) a##_##b
+#define CONCAT(a, b) CONCAT_(a, b)
+#define FN(name) CONCAT(name, SUFFIX)
+
+#define T float
+#define SUFFIX f32
+#define LOAD(x) (x)
+#define STORE(x) (x)
+#include "cpu_kernels.inc"
+#undef T
+#undef SUFFIX
+#undef LOAD
+#undef STORE
+
+#define T bf16_t
+#define SUFFIX bf16
+#define LOAD(x) bf16_to_float(x)
+#define STORE(x) float_to_bf16(x)
+#include "cpu_kernels.inc"
