@@ -25,6 +25,23 @@
 
 typedef uint16_t bf16_t;
 typedef float vec16 __attribute__((vector_size(64))); /* KEY_TILE floats */
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+static inline vec16 load16_float(const float *p) {
+    vec16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline vec16 load16_bf16(const bf16_t *p) {
+    u16x16 raw;
+    memcpy(&raw, p, sizeof raw);
+    u32x16 wide = __builtin_convertvector(raw, u32x16) << 16;
+    vec16 v;
+    memcpy(&v, &wide, sizeof v);
+    return v;
+}
 
 static inline float bf16_to_float(bf16_t x) {
     union { uint32_t u; float f; } v;
@@ -75,14 +92,17 @@ static inline float exp_clamped(float x) {
 #define SUFFIX f32
 #define LOAD(x) (x)
 #define STORE(x) (x)
+#define LOAD16(p) load16_float(p) /* KEY_TILE consecutive elements as floats */
 #include "cpu_kernels.inc"
 #undef T
 #undef SUFFIX
 #undef LOAD
 #undef STORE
+#undef LOAD16
 
 #define T bf16_t
 #define SUFFIX bf16
 #define LOAD(x) bf16_to_float(x)
 #define STORE(x) float_to_bf16(x)
+#define LOAD16(p) load16_bf16(p)
 #include "cpu_kernels.inc"
