@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker import kernels
 from services.worker.watermark import apply_watermark
 from shared.messages import SamplingParams, TopToken
 
@@ -101,13 +102,19 @@ def sample_one(
 
 def sample_greedy_batch(logits: torch.Tensor, top_n_tokens: list[int]) -> list[Sampled]:
     """Greedy tokens for rows that need no penalty: one argmax for all. [num_rows, vocab]"""
-    logits = logits.float()  # argmax over half precision is several times slower on CPU
-    log_probs = logits.log_softmax(-1)
-    token_ids = torch.argmax(logits, dim=-1).tolist()
-    chosen = log_probs.gather(1, torch.tensor(token_ids, device=logits.device)[:, None])
-    chosen_list = chosen[:, 0].tolist()
+    ops = kernels.load() if logits.device.type == "cpu" else None
+    if ops is not None and ops.supports(logits.dtype) and logits.is_contiguous():
+        token_ids, chosen_logprobs = ops.greedy(logits)  # one read of each row, no float copy
+    else:
+        logits = logits.float()  # argmax over half precision is several times slower on CPU
+        chosen_logprobs = logits.log_softmax(-1).gather(1, logits.argmax(-1)[:, None])[:, 0]
+        token_ids, chosen_logprobs = logits.argmax(-1).tolist(), chosen_logprobs.tolist()
     return [
-        Sampled(token_ids[i], chosen_list[i], _top_tokens(log_probs[i], top_n_tokens[i]))
+        Sampled(
+            token_ids[i],
+            chosen_logprobs[i],
+            _top_tokens(logits[i].float().log_softmax(-1), n) if (n := top_n_tokens[i]) > 0 else [],
+        )
         for i in range(len(token_ids))
     ]
 

@@ -40,6 +40,7 @@ _SIGNATURES = {  # argument types of each kernel (cpu_kernels.inc documents them
     "rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int],
     "rope_store": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, ctypes.c_int],
     "silu_mul": [_ptr, _ptr, _i64, _i64, ctypes.c_int],
+    "greedy": [_ptr, _i64, _i64, _ptr, _ptr, ctypes.c_int],
     "paged_attention": [
         *[_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
         *[_i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64, ctypes.c_int],
@@ -200,6 +201,21 @@ class CpuKernels:
             gate_up.data_ptr(), out.data_ptr(), num_rows, double // 2, torch.get_num_threads()
         )
         return out
+
+    def greedy(self, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """Per row of logits [num_rows, vocab]: the argmax (its first index) and its log-softmax."""
+        num_rows, vocab = logits.shape
+        token_ids = torch.empty(num_rows, dtype=torch.int64)
+        logprobs = torch.empty(num_rows, dtype=torch.float32)
+        self._functions["greedy", logits.dtype](
+            logits.data_ptr(),
+            num_rows,
+            vocab,
+            token_ids.data_ptr(),
+            logprobs.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return token_ids.tolist(), logprobs.tolist()
 
     def paged_attention(
         self,
