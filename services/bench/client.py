@@ -9,8 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import httpx
-
+from services.bench.sse_client import HTTPError, StreamingClient
 from services.bench.timeline import RequestRecord, parse_sse_line, record_event
 from services.bench.workload import Case
 
@@ -35,29 +34,24 @@ def body(case: Case) -> dict:
     }
 
 
-async def stream_one(client: httpx.AsyncClient, url: str, case: Case) -> RequestRecord:
+async def stream_one(client: StreamingClient, case: Case) -> RequestRecord:
     """Send one request and timestamp every event as it arrives; never raises."""
     record = RequestRecord(sent_at=time.perf_counter())
+
+    def on_line(line: bytes, at: float) -> None:
+        payload = parse_sse_line(line.decode())
+        if payload is not None:
+            record_event(record, payload, at)
+
     try:
-        async with client.stream("POST", f"{url}/generate_stream", json=body(case)) as response:
-            if response.status_code != 200:
-                await response.aread()
-                record.error = f"HTTP {response.status_code}: {response.text[:200]}"
-                return record
-            async for line in response.aiter_lines():
-                payload = parse_sse_line(line)
-                if payload is not None:
-                    record_event(record, payload, time.perf_counter())
-    except (httpx.HTTPError, ValueError) as exc:
+        status, error_body = await client.post_stream("/generate_stream", body(case), on_line)
+        if status != 200:
+            record.error = f"HTTP {status}: {error_body.decode(errors='replace')[:200]}"
+    except (TimeoutError, HTTPError, ValueError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     finally:
         record.done_at = time.perf_counter()
     return record
-
-
-def _client(max_connections: int, timeout_s: float) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=max_connections + 4, max_keepalive_connections=None)
-    return httpx.AsyncClient(timeout=timeout_s, limits=limits)
 
 
 async def run_closed_loop(
@@ -72,15 +66,18 @@ async def run_closed_loop(
     records: list[RequestRecord | None] = [None] * len(cases)
     next_index = iter(range(len(cases)))
 
-    async def sender(client: httpx.AsyncClient) -> None:
+    async def sender() -> None:
         for i in next_index:  # shared iterator: asyncio runs one sender at a time
-            records[i] = await stream_one(client, url, cases[i])
+            records[i] = await stream_one(client, cases[i])
             on_done()
 
-    async with _client(concurrency, timeout_s) as client:
+    client = StreamingClient(url, timeout_s)
+    try:
         started = time.perf_counter()
-        await asyncio.gather(*(sender(client) for _ in range(min(concurrency, len(cases)))))
+        await asyncio.gather(*(sender() for _ in range(min(concurrency, len(cases)))))
         wall_s = time.perf_counter() - started
+    finally:
+        client.close()
     return LevelRun("concurrency", concurrency, [r for r in records if r is not None], wall_s)
 
 
@@ -95,16 +92,19 @@ async def run_open_loop(
     """Send case i at `send_times[i]` seconds after the start (Poisson arrivals from
     services.bench.arrivals), however many are still in flight."""
 
-    async def timed(client: httpx.AsyncClient, case: Case, at: float) -> RequestRecord:
+    async def timed(case: Case, at: float) -> RequestRecord:
         await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
-        record = await stream_one(client, url, case)
+        record = await stream_one(client, case)
         on_done()
         return record
 
-    async with _client(len(cases), timeout_s) as client:
+    client = StreamingClient(url, timeout_s)
+    try:
         started = time.perf_counter()
         records = await asyncio.gather(
-            *(timed(client, case, at) for case, at in zip(cases, send_times, strict=True))
+            *(timed(case, at) for case, at in zip(cases, send_times, strict=True))
         )
         wall_s = time.perf_counter() - started
+    finally:
+        client.close()
     return LevelRun("rate", rate, list(records), wall_s)
