@@ -280,11 +280,14 @@ class Generator:
             except DeadlineExceeded:
                 raise QueueWaitExceeded(self.max_queue_wait or 0.0) from None
         remaining = deadline - time.time()
+        if remaining > 0 and not queue.empty():  # the common case while streaming: no timer
+            return queue.get_nowait()
         wait = remaining if keepalive_s is None else min(remaining, keepalive_s)
         try:
             if wait <= 0:
                 raise TimeoutError
-            return await asyncio.wait_for(queue.get(), wait)
+            async with asyncio.timeout(wait):  # unlike wait_for, no task per event
+                return await queue.get()
         except TimeoutError:
             if time.time() < deadline:
                 return None

@@ -6,6 +6,7 @@ import asyncio
 import signal
 
 from services.scheduler.service import SchedulerService
+from shared import aio
 from shared.bus import connect, wait_for_redis
 from shared.ops_server import OpsServer
 from shared.settings import Settings
@@ -29,4 +30,4 @@ async def serve(settings: Settings) -> None:
 
 def run(settings: Settings) -> None:
     setup_tracing("scheduler", settings.otlp_endpoint)
-    asyncio.run(serve(settings))
+    aio.run(serve(settings))

@@ -25,6 +25,7 @@ from services.worker.kv_cache import PagedKVCache
 from services.worker.loader import LoadedModel, UnsupportedModel, load_model, pick_device
 from services.worker.quantization import QuantizationError
 from services.worker.service import WorkerService
+from shared import aio
 from shared.bus import connect, wait_for_redis
 from shared.model_files import ModelNotFound
 from shared.ops_server import OpsServer
@@ -131,6 +132,6 @@ def run(settings: Settings) -> None:
         if rank:
             follow_rank_0(settings, rank)
             return
-        asyncio.run(serve(settings))
+        aio.run(serve(settings))
     except (UnsupportedModel, ModelNotFound, QuantizationError) as exc:
         raise SystemExit(f"textgen worker: {exc}") from exc
