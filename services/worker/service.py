@@ -1,13 +1,15 @@
 """The worker's Redis loop: announce capacity, execute step plans, stream tokens back.
 
-Reads StepPlans from {ns}:group:{g}:steps, runs them on the ModelRunner (in a thread, so the
-heartbeat keeps beating during a long forward), then in one pipeline PUBLISHes one ReplyBatch
-per gateway and XADDs the StepResult to {ns}:group:{g}:results.
+Reads StepPlans from {ns}:group:{g}:steps (a background reader keeps the next ones at hand),
+runs them on the ModelRunner (on the torch thread, so the heartbeat keeps beating during a long
+forward), and in one pipeline PUBLISHes one ReplyBatch per gateway and XADDs the StepResult to
+{ns}:group:{g}:results, while the next step computes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -138,47 +140,85 @@ class WorkerService:
             log.info("stopping once idle (at most %.0f s)", self.settings.shutdown_grace)
 
     async def _step_loop(self) -> None:
-        """Execute plans until stopped; a Redis outage pauses it (retry with backoff, the
-        heartbeat re-announces the group once Redis is back), never ends it."""
+        """Execute plans until stopped. Step N's events and result are published while step
+        N+1 computes (the scheduler sent N+1 before it hears of N), so the forward passes run
+        back to back; an outcome is published before waiting for more plans. A Redis outage
+        pauses reading and publishing (retried with backoff; the heartbeat re-announces the
+        group once Redis is back), never ends the loop, and never runs a plan twice."""
+        plans: asyncio.Queue[StepPlan] = asyncio.Queue()
+        reader = asyncio.create_task(self._read_plans(plans), name="plan-reader")
+        loop = asyncio.get_running_loop()
+        unpublished: StepOutcome | None = None
+        try:
+            while True:
+                if unpublished is not None and plans.empty():
+                    await self._publish_until_sent(unpublished)
+                    unpublished = None
+                plan = await self._next_plan(plans)
+                if plan is None:
+                    return
+                running = loop.run_in_executor(self._forward_thread, self._execute, plan)
+                if unpublished is not None:
+                    await self._publish_until_sent(unpublished)
+                unpublished = await running
+                self.last_step_id = plan.step_id
+        finally:
+            reader.cancel()
+            if unpublished is not None:
+                with contextlib.suppress(*REDIS_ERRORS):
+                    await self._publish(unpublished)
+
+    async def _next_plan(self, plans: asyncio.Queue[StepPlan]) -> StepPlan | None:
+        """The next plan; None once stopping is due (no requests held and no plan waiting, or
+        the grace period is over)."""
+        while True:
+            timeout = 1.0 if self.stop_at is None else 0.25
+            try:
+                async with asyncio.timeout(timeout):
+                    plan = await plans.get()
+            except TimeoutError:
+                plan = None
+            if self.stop_at is not None and (
+                (plan is None and not self.runner.requests) or time.time() >= self.stop_at
+            ):
+                log.info("stopped with %d requests held", len(self.runner.requests))
+                return None
+            if plan is not None:
+                return plan
+
+    async def _read_plans(self, plans: asyncio.Queue[StepPlan]) -> None:
+        """Background: every plan on the steps stream, in order, into `plans`."""
+        steps = self.channels.steps(self.group)
         last_id = b"0-0"
         backoff = 0.25
         while True:
             try:
-                last_id, is_done = await self._step_once(last_id)
+                reply = await self.redis.xread({steps: last_id}, block=1000)
+                entries = [entry for _stream, found in reply or [] for entry in found]
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    try:
+                        plans.put_nowait(entry_message(fields, StepPlan))
+                    except Exception as exc:  # a poisoned entry must not stop the worker
+                        await self._dead_letter(steps, entry_id, fields, exc)
+                if entries:
+                    await self.redis.xtrim(steps, minid=last_id, approximate=True)
                 backoff = 0.25
             except REDIS_ERRORS as exc:
                 log.warning("Redis unreachable (%s); retrying in %.2f s", exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
-                continue
-            if is_done:
-                return
 
-    async def _step_once(self, last_id: bytes) -> tuple[bytes, bool]:
-        """Read and run the plans after last_id; (new last_id, whether to stop)."""
-        steps = self.channels.steps(self.group)
-        block_ms = 1000 if self.stop_at is None else 250
-        reply = await self.redis.xread({steps: last_id}, block=block_ms)
-        entries = [entry for _stream, stream_entries in reply or [] for entry in stream_entries]
-        if self.stop_at is not None and (
-            (not entries and not self.runner.requests) or time.time() >= self.stop_at
-        ):
-            log.info("stopped with %d requests held", len(self.runner.requests))
-            return last_id, True
-        for entry_id, fields in entries:
-            last_id = entry_id
+    async def _publish_until_sent(self, outcome: StepOutcome) -> None:
+        backoff = 0.25
+        while True:
             try:
-                plan = entry_message(fields, StepPlan)
-            except Exception as exc:  # a poisoned entry must not stop the worker
-                await self._dead_letter(steps, entry_id, fields, exc)
-                continue
-            loop = asyncio.get_running_loop()
-            outcome = await loop.run_in_executor(self._forward_thread, self._execute, plan)
-            await self._publish(outcome)
-            self.last_step_id = plan.step_id
-        if entries:
-            await self.redis.xtrim(steps, minid=last_id, approximate=True)
-        return last_id, False
+                await self._publish(outcome)
+                return
+            except REDIS_ERRORS as exc:
+                log.warning("could not publish a step (%s); retrying in %.2f s", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
 
     async def _dead_letter(
         self, source: str, entry_id: bytes, fields: dict, exc: Exception
