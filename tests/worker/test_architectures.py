@@ -116,9 +116,14 @@ def check_parity(folder: Path, runner: str) -> None:
     assert engine.scheduler.blocks.num_free_blocks == 64
 
 
+FAST_DECODER_MODELS = {"mistral", "qwen2"}  # and llama: Llama-shaped, on the CPU kernels
+
+
 @pytest.mark.parametrize("name", sorted(PAGED))
 def test_paged_greedy_parity(name, tmp_path):
-    check_parity(build(tmp_path / name, PAGED[name]), "paged")
+    folder = build(tmp_path / name, PAGED[name])
+    check_parity(folder, "paged")
+    assert (load_model(str(folder)).decoder is not None) == (name in FAST_DECODER_MODELS)
 
 
 @pytest.mark.parametrize("name", sorted(FALLBACK))

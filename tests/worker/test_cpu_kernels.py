@@ -1,0 +1,214 @@
+"""The CPU kernels (services/worker/kernels) against transformers' and torch's own ops.
+
+The element-wise kernels must round exactly as transformers' modules do (bit-equal in
+bfloat16, where every op rounds; within a few float32 ulps for the norm, whose mean sums in
+another order); attention must equal SDPA over the same keys for any mix of decodes and
+prompt chunks, block size, GQA group and sliding window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from services.worker import kernels
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def ops() -> kernels.CpuKernels:
+    built = kernels.load()
+    assert built is not None, "the CPU kernels did not build (is a C compiler installed?)"
+    return built
+
+
+def test_the_library_is_built_once_and_reused(ops):
+    compiler = kernels._compiler()
+    assert compiler is not None
+    path = kernels._library_path(compiler)
+    assert path.exists() and path.parent == kernels.cache_dir()
+    assert kernels._library_path(compiler) == path  # same source, compiler and CPU: same file
+    assert kernels.load() is ops
+
+
+def test_no_compiler_means_no_kernels_not_a_crash(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    assert kernels.load.__wrapped__() is None
+    monkeypatch.setattr(kernels, "_compiler", lambda: None)
+    assert kernels.load.__wrapped__() is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_equals_transformers_with_and_without_the_residual(ops, dtype):
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(576, eps=1e-5)
+    norm.weight.data = torch.randn(576)
+    norm = norm.to(dtype)
+    x = (torch.randn(37, 576) * 3).to(dtype)
+    residual = torch.randn(37, 576).to(dtype)
+    summed = residual + x  # the decoder layer's skip connection, rounded as transformers does
+    expected = norm(summed)
+    got = ops.rms_norm(x, norm.weight.data, 1e-5, residual=residual)
+    assert torch.equal(residual, summed)  # the running sum is left in `residual`
+    plain = ops.rms_norm(x, norm.weight.data, 1e-5)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, expected)
+        assert torch.equal(plain, norm(x))
+    else:  # the mean of squares sums in another order: a few ulps
+        torch.testing.assert_close(got, expected, rtol=4e-7, atol=1e-6)
+        torch.testing.assert_close(plain, norm(x), rtol=4e-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_equals_transformers_mlp_activation(ops, dtype):
+    torch.manual_seed(1)
+    gate_up = (torch.randn(33, 2 * 1536) * 4).to(dtype)
+    gate, up = gate_up[:, :1536], gate_up[:, 1536:]
+    expected = F.silu(gate) * up
+    got = ops.silu_mul(gate_up)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, expected)
+    else:  # exp within 2 ulps of torch's
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def rope(num_tokens: int, head_dim: int, positions: torch.Tensor, dtype: torch.dtype):
+    inverse = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = positions[:, None].float() * inverse[None]
+    both = torch.cat([angles, angles], -1)
+    return both.cos().to(dtype), both.sin().to(dtype)
+
+
+def read_block_layout(cache: torch.Tensor, slots: torch.Tensor, block_size: int, is_key: bool):
+    """The tokens at `slots` from a cache in the fast decoder's block layout."""
+    num_slots, kv_heads, head_dim = cache.shape
+    if is_key:  # [num_blocks, kv_heads, head_dim, block_size]
+        blocks = cache.view(num_slots // block_size, kv_heads, head_dim, block_size)
+        return torch.stack([blocks[s // block_size, :, :, s % block_size] for s in slots.tolist()])
+    blocks = cache.view(num_slots // block_size, kv_heads, block_size, head_dim)
+    return torch.stack([blocks[s // block_size, :, s % block_size] for s in slots.tolist()])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_rotates_like_transformers_and_fills_the_cache(ops, dtype):
+    torch.manual_seed(2)
+    num_heads, num_kv_heads, head_dim, num_tokens, block_size = 9, 3, 64, 21, 16
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    positions = torch.arange(num_tokens) * 3 + 5
+    cos, sin = rope(num_tokens, head_dim, positions, dtype)
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim).transpose(0, 1)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
+    k = k.view(num_tokens, num_kv_heads, head_dim).transpose(0, 1)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    q_rotated, k_rotated = apply_rotary_pos_emb(q[None], k[None], cos[None], sin[None])
+    k_cache = torch.zeros(8 * block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(8 * block_size)[:num_tokens]
+    rotated = qkv.clone()
+    ops.rope_store(rotated, cos, sin, k_cache, v_cache, slots, num_heads, block_size)
+    got_q = rotated[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    assert torch.equal(got_q, q_rotated[0].transpose(0, 1))
+    keys = read_block_layout(k_cache, slots, block_size, is_key=True)
+    assert torch.equal(keys, k_rotated[0].transpose(0, 1))
+    assert torch.equal(read_block_layout(v_cache, slots, block_size, is_key=False), v)
+
+
+def attention_case(ops, dtype, block_size, num_heads, num_kv_heads, head_dim, window, seed=3):
+    """A step of decodes and prompt chunks over a scattered cache: the kernel's output and
+    SDPA's over the same keys. Each request is (queries this step, keys cached after it)."""
+    torch.manual_seed(seed)
+    requests = [(1, 40), (5, 5), (1, 1), (17, 33), (3, 100), (40, 70), (1, 16)]
+    num_blocks = sum(-(-context // block_size) for _, context in requests) + 4
+    k_cache = torch.zeros(num_blocks * block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    free = torch.randperm(num_blocks).tolist()
+    tables, query_start, keys, values = [], [0], [], []
+    row_len = (num_heads + 2 * num_kv_heads) * head_dim
+    for q_len, context in requests:
+        table = [free.pop() for _ in range(-(-context // block_size))]
+        slots = torch.tensor(
+            [table[p // block_size] * block_size + p % block_size for p in range(context)]
+        )
+        rows = torch.randn(context, row_len).to(dtype)
+        ones, zeros = (
+            torch.ones(context, head_dim, dtype=dtype),
+            torch.zeros(context, head_dim, dtype=dtype),
+        )
+        ops.rope_store(rows, ones, zeros, k_cache, v_cache, slots, num_heads, block_size)  # as is
+        keys.append(rows[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim])
+        values.append(rows[:, (num_heads + num_kv_heads) * head_dim :])
+        tables.append(table)
+        query_start.append(query_start[-1] + q_len)
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    qkv = torch.randn(query_start[-1], row_len).to(dtype)
+    scale = head_dim**-0.5
+    got = ops.paged_attention(
+        qkv,
+        k_cache,
+        v_cache,
+        torch.tensor(query_start),
+        torch.tensor([context for _, context in requests]),
+        block_tables,
+        block_size,
+        num_heads,
+        scale,
+        window,
+    )
+    expected = []
+    group = num_heads // num_kv_heads
+    for i, (q_len, context) in enumerate(requests):
+        q = qkv[query_start[i] : query_start[i + 1], : num_heads * head_dim]
+        q = q.view(q_len, num_heads, head_dim).transpose(0, 1).float()
+        k = keys[i].view(context, num_kv_heads, head_dim).transpose(0, 1).float()
+        v = values[i].view(context, num_kv_heads, head_dim).transpose(0, 1).float()
+        query_pos = torch.arange(context - q_len, context)[:, None]
+        key_pos = torch.arange(context)[None, :]
+        mask = key_pos <= query_pos
+        if window:
+            mask &= key_pos > query_pos - window
+        out = F.scaled_dot_product_attention(
+            q,
+            k.repeat_interleave(group, 0),
+            v.repeat_interleave(group, 0),
+            attn_mask=mask,
+            scale=scale,
+        )
+        expected.append(out.transpose(0, 1).reshape(q_len, num_heads * head_dim))
+    return got, torch.cat(expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32, 5])
+@pytest.mark.parametrize("window", [None, 7])
+def test_paged_attention_equals_sdpa_for_mixed_steps(ops, dtype, block_size, window):
+    got, expected = attention_case(ops, dtype, block_size, 9, 3, 64, window)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(4, 4, 16), (4, 2, 16), (32, 8, 128), (12, 2, 128), (16, 1, 64)],
+    ids=["mha", "gqa2", "gqa4-128", "gqa6", "mqa-group16"],
+)
+def test_paged_attention_any_gqa_group_and_head_dim(ops, num_heads, num_kv_heads, head_dim):
+    got, expected = attention_case(ops, torch.float32, 16, num_heads, num_kv_heads, head_dim, None)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_takes_the_first_maximum_and_its_log_softmax(ops, dtype):
+    torch.manual_seed(4)
+    logits = torch.randn(7, 5003).to(dtype)
+    logits[3, 100] = logits[3, 4000] = 50.0  # a tie: the first index wins, as torch.argmax
+    logits[5, -1] = 60.0  # the very last index
+    token_ids, logprobs = ops.greedy(logits)
+    reference = logits.float().log_softmax(-1)
+    assert token_ids == logits.float().argmax(-1).tolist()
+    assert token_ids[3] == 100 and token_ids[5] == 5002
+    expected = reference.gather(1, torch.tensor(token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(logprobs), expected, rtol=1e-5, atol=1e-5)

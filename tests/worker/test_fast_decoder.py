@@ -1,0 +1,140 @@
+"""The fast CPU decoder (services/worker/fast_decoder.py): which models it runs, and that its
+logits equal the generic path's (transformers' modules over the paged cache) for the same
+packed steps. Greedy parity with transformers' generate, alone and batched, with chunked
+prefill, preemption and prefix caching, is in test_runner_parity.py and
+test_architectures.py, which run on this decoder by default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as T
+
+from services.worker import fast_decoder
+from services.worker.fast_decoder import FAST_DECODER, unsupported_reason
+from services.worker.loader import load_model
+from tests.support.engine_loop import EngineLoop, make_request
+from tests.support.tiny_models import make_tiny_llama, train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("fast") / "llama", num_layers=3)
+
+
+def test_llama_runs_on_the_fast_decoder_unless_disabled(llama_folder):
+    fast = load_model(str(llama_folder))
+    assert fast.decoder is not None
+    assert EngineLoop(fast, num_blocks=16).runner.attention == FAST_DECODER
+    # its linear weights moved into the decoder's packed layout
+    assert fast.model.model.layers[0].self_attn.q_proj.weight.numel() == 0
+    generic = load_model(str(llama_folder), cpu_kernels=False)
+    assert generic.decoder is None
+    assert EngineLoop(generic, num_blocks=16).runner.attention == "sdpa"
+
+
+def logits_of_steps(loaded, prompts: list[list[int]], max_new_tokens: int) -> list[torch.Tensor]:
+    """The logits every step samples from, for requests joining a running batch with chunked
+    prefill."""
+    engine = EngineLoop(loaded, num_blocks=64, max_batch_prefill_tokens=24)
+    seen: list[torch.Tensor] = []
+    forward = engine.runner._forward
+    engine.runner._forward = lambda batch: seen.append(forward(batch).float()) or seen[-1]
+    for ids in prompts[:2]:
+        engine.add(make_request(ids, max_new_tokens))
+    engine.step()
+    for ids in prompts[2:]:
+        engine.add(make_request(ids, max_new_tokens))
+    engine.run()
+    return seen
+
+
+def test_fast_logits_equal_the_generic_paths_in_float32(llama_folder):
+    prompts = [[1, *range(5, 5 + n)] for n in (3, 40, 9, 25)]
+    fast = logits_of_steps(load_model(str(llama_folder)), prompts, 6)
+    generic = logits_of_steps(load_model(str(llama_folder), cpu_kernels=False), prompts, 6)
+    assert len(fast) == len(generic) > 5
+    for got, expected in zip(fast, generic, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_fast_logits_equal_the_generic_paths_in_bfloat16(llama_folder):
+    """One token per request, so a near-tie broken differently cannot change later inputs."""
+    prompts = [[1, *range(5, 5 + n)] for n in (3, 40, 9, 25, 60)]
+    fast = torch.cat(logits_of_steps(load_model(str(llama_folder), dtype="bfloat16"), prompts, 1))
+    generic = load_model(str(llama_folder), dtype="bfloat16", cpu_kernels=False)
+    expected = torch.cat(logits_of_steps(generic, prompts, 1))
+    assert fast.shape == expected.shape == (len(prompts), expected.shape[1])
+    # both round every op; a float32 sum in another order moves a logit by a few ulps of the
+    # largest logits (one ulp is 0.03 between 4 and 8)
+    torch.testing.assert_close(fast, expected, rtol=0, atol=0.05 * expected.abs().max().item())
+
+
+def tiny(folder: Path, config) -> torch.nn.Module:
+    folder.mkdir(parents=True)
+    vocab_size = train_tokenizer(folder)
+    config.vocab_size = vocab_size
+    torch.manual_seed(0)
+    T.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    T.GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(folder)
+    return folder
+
+
+def test_sliding_window_matches_transformers(tmp_path):
+    """Mistral with a window shorter than the prompts: the kernel masks keys the window left."""
+    config = T.MistralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=12,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.2,
+    )
+    folder = tiny(tmp_path / "mistral", config)
+    loaded = load_model(str(folder))
+    assert loaded.decoder is not None and loaded.decoder.layers[0].sliding_window == 12
+    reference = T.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
+    prompts = [[1, *range(5, 5 + n)] for n in (30, 50)]
+    engine = EngineLoop(loaded, num_blocks=64, max_batch_prefill_tokens=32)
+    requests = [make_request(ids, 10) for ids in prompts]
+    for request in requests:
+        engine.add(request)
+    engine.run()
+    for request, ids in zip(requests, prompts, strict=True):
+        expected = reference.generate(
+            torch.tensor([ids]),
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=[2],
+            pad_token_id=0,
+        )[0, len(ids) :].tolist()
+        assert engine.tokens[request.request_id] == expected
+
+
+def test_models_it_does_not_run_say_why(tmp_path, llama_folder):
+    cpu = torch.device("cpu")
+    llama = load_model(str(llama_folder), cpu_kernels=False).model
+    assert unsupported_reason(llama, cpu, None, 1) is None
+    assert "quantized" in unsupported_reason(llama, cpu, "bitsandbytes", 1)
+    assert "tensor-parallel" in unsupported_reason(llama, cpu, None, 2)
+    assert "CPU only" in unsupported_reason(llama, torch.device("cuda"), None, 1)
+    llama.config.hidden_act = "gelu"
+    assert "SiLU" in unsupported_reason(llama, cpu, None, 1)
+    gpt2 = T.GPT2LMHeadModel(T.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50))
+    assert "gpt2 is not one of" in unsupported_reason(gpt2, cpu, None, 1)
+    odd = T.LlamaForCausalLM(
+        T.LlamaConfig(hidden_size=64, num_attention_heads=8, num_hidden_layers=1, vocab_size=50)
+    )  # head_dim 8, as stories260k
+    assert "head dimension 8" in unsupported_reason(odd, cpu, None, 1)
+    half = T.LlamaForCausalLM(
+        T.LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, vocab_size=50)
+    ).to(torch.float16)
+    assert "float16" in unsupported_reason(half, cpu, None, 1)
+    assert fast_decoder.build(half, cpu, None, 1) is None
