@@ -134,6 +134,19 @@ class PagedKVCache:
             table[i * max_blocks : i * max_blocks + num_used] = blocks[:num_used]
         return table, max_blocks
 
+    def slot_range(self, block_ids: list[int], start: int, stop: int) -> list[int]:
+        """Slots of a request's tokens start..stop-1, block by block (no tensors: a step packs
+        this for every request)."""
+        size = self.block_size
+        out: list[int] = []
+        position = start
+        while position < stop:
+            first = block_ids[position // size] * size
+            end = min(stop, (position // size + 1) * size)
+            out.extend(range(first + position % size, first + position % size + end - position))
+            position = end
+        return out
+
     def slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         """Slots of a request's first num_tokens tokens. [num_tokens]"""
         blocks = torch.tensor(block_ids, dtype=torch.long)

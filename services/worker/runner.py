@@ -125,7 +125,7 @@ class ModelRunner:
     def _pack(self, scheduled: list[RequestState]) -> PackedBatch:
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_chunks: list[torch.Tensor] = []
+        slot_mapping: list[int] = []
         context_slots: list[torch.Tensor] = []
         query_start = [0]
         context_lens: list[int] = []
@@ -145,10 +145,9 @@ class ModelRunner:
             stop = end + len(state.draft_ids)  # drafts are computed after the real tokens
             input_ids.extend(state.token_ids[start:end] + state.draft_ids)
             positions.extend(range(start, stop))
-            slots = self.kv_cache.slots(state.block_ids, stop)  # [stop]
-            slot_chunks.append(slots[start:stop])
-            if not reads_tables:
-                context_slots.append(slots.to(self.device))
+            slot_mapping.extend(self.kv_cache.slot_range(state.block_ids, start, stop))
+            if not reads_tables:  # [stop]
+                context_slots.append(self.kv_cache.slots(state.block_ids, stop).to(self.device))
             context_lens.append(stop)
             query_start.append(query_start[-1] + stop - start)
             if state.samples_this_step:
@@ -168,7 +167,7 @@ class ModelRunner:
         ]
         metadata = AttentionMetadata(
             kv_cache=self.kv_cache,
-            slot_mapping=torch.cat(slot_chunks).to(self.device),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
             query_start=query_start,
             context_lens=context_lens,
             context_slots=context_slots,
