@@ -35,13 +35,14 @@ def body(case: Case) -> dict:
 
 
 async def stream_one(client: StreamingClient, case: Case) -> RequestRecord:
-    """Send one request and timestamp every event as it arrives; never raises."""
+    """Send one request and timestamp every event as it arrives; never raises. The events'
+    JSON is decoded by `decode_events` once the level is over: the bench shares the CPU with
+    the server it measures."""
     record = RequestRecord(sent_at=time.perf_counter())
 
     def on_line(line: bytes, at: float) -> None:
-        payload = parse_sse_line(line.decode())
-        if payload is not None:
-            record_event(record, payload, at)
+        if line.startswith(b"data:"):
+            record.raw_events.append((line, at))
 
     try:
         status, error_body = await client.post_stream("/generate_stream", body(case), on_line)
@@ -52,6 +53,16 @@ async def stream_one(client: StreamingClient, case: Case) -> RequestRecord:
     finally:
         record.done_at = time.perf_counter()
     return record
+
+
+def decode_events(records: list[RequestRecord]) -> None:
+    """Turn each record's raw `data:` lines into its events (an error event marks it failed)."""
+    for record in records:
+        for line, at in record.raw_events:
+            payload = parse_sse_line(line.decode())
+            if payload is not None:
+                record_event(record, payload, at)
+        record.raw_events.clear()
 
 
 async def run_closed_loop(
@@ -78,7 +89,9 @@ async def run_closed_loop(
         wall_s = time.perf_counter() - started
     finally:
         client.close()
-    return LevelRun("concurrency", concurrency, [r for r in records if r is not None], wall_s)
+    done = [r for r in records if r is not None]
+    decode_events(done)
+    return LevelRun("concurrency", concurrency, done, wall_s)
 
 
 async def run_open_loop(
@@ -107,4 +120,5 @@ async def run_open_loop(
         wall_s = time.perf_counter() - started
     finally:
         client.close()
+    decode_events(list(records))
     return LevelRun("rate", rate, list(records), wall_s)

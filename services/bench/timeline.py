@@ -19,6 +19,8 @@ class RequestRecord:
     events: list[dict] = field(default_factory=list)  # decoded payloads, same order
     done_at: float | None = None  # when the stream ended
     error: str | None = None  # transport error, HTTP status or error event; None when it worked
+    # `data:` lines with their arrival times, as received; decoded into events after the level
+    raw_events: list[tuple[bytes, float]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
