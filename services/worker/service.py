@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TTL_S = 5
 RESULTS_MAXLEN = 1000
+TRIM_EVERY = 64  # plans read between two trims of the steps stream (a round trip each)
 
 
 class WorkerService:
@@ -190,6 +191,7 @@ class WorkerService:
         """Background: every plan on the steps stream, in order, into `plans`."""
         steps = self.channels.steps(self.group)
         last_id = b"0-0"
+        num_untrimmed = 0  # plans read since the stream was last trimmed
         backoff = 0.25
         while True:
             try:
@@ -201,8 +203,11 @@ class WorkerService:
                         plans.put_nowait(entry_message(fields, StepPlan))
                     except Exception as exc:  # a poisoned entry must not stop the worker
                         await self._dead_letter(steps, entry_id, fields, exc)
-                if entries:
+                num_untrimmed += len(entries)
+                # every TRIM_EVERY plans, and once idle (an idle group leaves an empty stream)
+                if num_untrimmed >= TRIM_EVERY or (num_untrimmed and not entries):
                     await self.redis.xtrim(steps, minid=last_id, approximate=True)
+                    num_untrimmed = 0
                 backoff = 0.25
             except REDIS_ERRORS as exc:
                 log.warning("Redis unreachable (%s); retrying in %.2f s", exc, backoff)
