@@ -96,7 +96,11 @@ async def read_stream(
     client: aioredis.Redis, stream: str, last_id: bytes, kind: type[T], block_ms: int | None
 ) -> list[tuple[bytes, T]]:
     """XREAD entries after `last_id` (blocking up to block_ms; None = do not block)."""
-    reply = await client.xread({stream: last_id}, block=block_ms)
+    return stream_entries(await client.xread({stream: last_id}, block=block_ms), kind)
+
+
+def stream_entries(reply, kind: type[T]) -> list[tuple[bytes, T]]:
+    """The (entry id, message) pairs of an XREAD reply (None when it timed out)."""
     out: list[tuple[bytes, T]] = []
     for _name, entries in reply or []:
         for entry_id, fields in entries:

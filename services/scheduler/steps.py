@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 import redis.asyncio as aioredis
 
 from services.scheduler.metrics import SchedulerMetrics
-from shared.bus import read_stream, stream_fields
+from shared.bus import read_stream, stream_entries, stream_fields
 from shared.channels import Channels
 from shared.messages import StepPlan, StepResult
 
@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 STEPS_IN_FLIGHT = 2  # plans sent before the oldest result is awaited
 STEPS_MAXLEN = 1000
 RESULT_WARN_S = 30.0
+RESULT_BLOCK_MS = 1000  # a result read waits this long before the worker's health is checked
 
 
 class StepChannel:
@@ -47,14 +48,23 @@ class StepChannel:
         self._results.clear()
 
     async def send(self, plan: StepPlan) -> None:
-        """XADD a plan for the worker; its result is awaited later (await_oldest)."""
+        """XADD a plan for the worker; its result is awaited later (await_oldest). When this
+        plan fills the steps in flight, the oldest result is awaited next: the same round trip
+        then also blocks (up to RESULT_BLOCK_MS) for results, which await_oldest finds read."""
         self.in_flight.append((plan.step_id, time.perf_counter()))
-        await self.redis.xadd(
-            self.channels.steps(self.group),
-            stream_fields(plan),
-            maxlen=STEPS_MAXLEN,
-            approximate=True,
-        )
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(
+                self.channels.steps(self.group),
+                stream_fields(plan),
+                maxlen=STEPS_MAXLEN,
+                approximate=True,
+            )
+            if not self.has_room:
+                results = {self.channels.results(self.group): self._last_id}
+                pipe.xread(results, block=RESULT_BLOCK_MS)
+            replies = await pipe.execute()
+        if len(replies) > 1:
+            self._keep_results(stream_entries(replies[1], StepResult))
         self.metrics.batch_size.observe(len(plan.new_requests) + len(plan.running))
         self.metrics.admitted.inc(len(plan.new_requests))
         self.metrics.step_tokens.observe(
@@ -72,11 +82,9 @@ class StepChannel:
         waited = 0.0
         while step_id not in self._results:
             entries = await read_stream(
-                self.redis, results, self._last_id, StepResult, block_ms=1000
+                self.redis, results, self._last_id, StepResult, block_ms=RESULT_BLOCK_MS
             )
-            for entry_id, result in entries:
-                self._last_id = entry_id
-                self._results[result.step_id] = result
+            self._keep_results(entries)
             if not entries:
                 await check_worker()
                 if give_up():
@@ -87,3 +95,8 @@ class StepChannel:
                     log.warning("no result for step %d after %.0f s", step_id, waited)
         self.metrics.step_round_trip.observe(time.perf_counter() - sent_at)
         return self._results.pop(step_id)
+
+    def _keep_results(self, entries: list[tuple[bytes, StepResult]]) -> None:
+        for entry_id, result in entries:
+            self._last_id = entry_id
+            self._results[result.step_id] = result
