@@ -15,7 +15,7 @@ class WorkerMetrics:
         r = self.registry
         self.step_duration = Histogram(
             "textgen_worker_step_duration_seconds",
-            "whole step: plan read to tokens published",
+            "whole step on the worker: plan applied to tokens sampled",
             buckets=STEP_BUCKETS,
             registry=r,
         )
@@ -54,6 +54,19 @@ class WorkerMetrics:
         )
         self.step_failures = Counter(
             "textgen_worker_step_failures", "steps that raised", registry=r
+        )
+        self.publish_duration = Histogram(
+            "textgen_worker_publish_duration_seconds",
+            "one step's token events and result to Redis (overlaps the next step's forward)",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.attention = Gauge(
+            "textgen_worker_attention_info",
+            "1 for the path forward passes take: cpu-kernels (the fast CPU decoder), "
+            "flash-attn or sdpa (transformers' modules)",
+            ["kernel"],
+            registry=r,
         )
         self.requests = Gauge("textgen_worker_requests", "requests held", registry=r)
         self.kv_blocks = Gauge("textgen_worker_kv_blocks", "KV-cache blocks allocated", registry=r)

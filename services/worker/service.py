@@ -86,6 +86,7 @@ class WorkerService:
             )
         else:
             self.runner = make_runner(loaded, cache, settings.speculate)
+        self.metrics.attention.labels(self.runner.attention).set(1)
         self.last_step_id = 0
         self.started_at = time.time()  # identifies this worker's lifetime to its scheduler
         self._ready_bytes = encode(self.ready_message())
@@ -271,6 +272,7 @@ class WorkerService:
 
     async def _publish(self, outcome: StepOutcome) -> None:
         """One PUBLISH per gateway, then the result, in one round trip."""
+        started = time.perf_counter()
         async with self.redis.pipeline(transaction=False) as pipe:
             for reply_to, events in outcome.events.items():
                 pipe.publish(reply_to, encode(ReplyBatch(events=events)))
@@ -281,6 +283,7 @@ class WorkerService:
                 approximate=True,
             )
             await pipe.execute()
+        self.metrics.publish_duration.observe(time.perf_counter() - started)
 
     async def _beat(self) -> None:
         """Heartbeat, and the group's announcement again: a restarted Redis gets it back."""

@@ -46,6 +46,9 @@ def test_metrics_of_all_three_services_follow_a_run(tiny_cluster):
     before_tokens = total(tiny_cluster, "worker", "textgen_worker_generated_tokens_total")
     before_pulled = total(tiny_cluster, "scheduler", "textgen_scheduler_pulled_requests_total")
     before_forwards = total(tiny_cluster, "worker", "textgen_worker_forward_duration_seconds_count")
+    before_publishes = total(
+        tiny_cluster, "worker", "textgen_worker_publish_duration_seconds_count"
+    )
 
     async def run():
         async with httpx.AsyncClient(timeout=60) as client:
@@ -92,9 +95,14 @@ def test_metrics_of_all_three_services_follow_a_run(tiny_cluster):
     assert total(tiny_cluster, "scheduler", "textgen_scheduler_pulled_requests_total") == (
         before_pulled + 6
     )
-    assert total(tiny_cluster, "worker", "textgen_worker_forward_duration_seconds_count") > (
-        before_forwards
-    )
+    forwards = total(tiny_cluster, "worker", "textgen_worker_forward_duration_seconds_count")
+    assert forwards > before_forwards
+    # every step's events went out (after the next step started, or before waiting for one)
+    publishes = total(tiny_cluster, "worker", "textgen_worker_publish_duration_seconds_count")
+    assert publishes - before_publishes == forwards - before_forwards
+    # the tiny Llama runs on the fast CPU decoder in both groups
+    kernel = 'textgen_worker_attention_info{kernel="cpu-kernels"}'
+    assert total(tiny_cluster, "worker", kernel) == 2
     assert total(tiny_cluster, "scheduler", "textgen_scheduler_kv_blocks_used") == 0
     assert total(tiny_cluster, "scheduler", "textgen_scheduler_running") == 0
     assert total(tiny_cluster, "scheduler", "textgen_scheduler_kv_blocks") == sum(
