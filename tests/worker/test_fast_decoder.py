@@ -16,7 +16,9 @@ from services.worker import fast_decoder
 from services.worker.fast_decoder import FAST_DECODER, unsupported_reason
 from services.worker.loader import load_model
 from tests.support.engine_loop import EngineLoop, make_request
-from tests.support.tiny_models import make_tiny_llama, train_tokenizer
+from tests.support.reference import greedy_continuation
+from tests.support.tiny_models import make_tiny_llama
+from tests.worker.test_architectures import PAGED, build
 
 
 @pytest.fixture(scope="module")
@@ -73,31 +75,15 @@ def test_fast_logits_equal_the_generic_paths_in_bfloat16(llama_folder):
     torch.testing.assert_close(fast, expected, rtol=0, atol=0.05 * expected.abs().max().item())
 
 
-def tiny(folder: Path, config) -> torch.nn.Module:
-    folder.mkdir(parents=True)
-    vocab_size = train_tokenizer(folder)
-    config.vocab_size = vocab_size
-    torch.manual_seed(0)
-    T.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    T.GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(folder)
-    return folder
+def mistral_with_window(vocab_size: int):
+    config = PAGED["mistral"](vocab_size)
+    config.sliding_window = 12  # shorter than the prompts
+    return config
 
 
 def test_sliding_window_matches_transformers(tmp_path):
     """Mistral with a window shorter than the prompts: the kernel masks keys the window left."""
-    config = T.MistralConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        sliding_window=12,
-        bos_token_id=1,
-        eos_token_id=2,
-        initializer_range=0.2,
-    )
-    folder = tiny(tmp_path / "mistral", config)
+    folder = build(tmp_path / "mistral", mistral_with_window)
     loaded = load_model(str(folder))
     assert loaded.decoder is not None and loaded.decoder.layers[0].sliding_window == 12
     reference = T.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
@@ -108,13 +94,7 @@ def test_sliding_window_matches_transformers(tmp_path):
         engine.add(request)
     engine.run()
     for request, ids in zip(requests, prompts, strict=True):
-        expected = reference.generate(
-            torch.tensor([ids]),
-            max_new_tokens=10,
-            do_sample=False,
-            eos_token_id=[2],
-            pad_token_id=0,
-        )[0, len(ids) :].tolist()
+        expected = greedy_continuation(reference, ids, 10, [2])
         assert engine.tokens[request.request_id] == expected
 
 
