@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+import orjson
 
 from services.gateway.generation import Finished, Token
 
@@ -13,8 +14,9 @@ def token_json(token: Token) -> dict[str, Any]:
 
 
 def sse(payload: dict[str, Any]) -> str:
-    """One SSE event: a single `data: <json>` line and a blank line."""
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    """One SSE event: a single `data: <json>` line and a blank line (compact UTF-8 JSON, as
+    TGI's; orjson: a tenth of json.dumps' CPU per streamed token)."""
+    return f"data: {orjson.dumps(payload).decode()}\n\n"
 
 
 def stream_event(
