@@ -81,6 +81,9 @@ static inline float exp_clamped(float x) {
 #define KEY_TILE 16                  /* keys scored together in the attention kernel */
 #define MAX_TILE_ROWS 48             /* query rows (queries x heads of a KV group) per item */
 #define MAX_QUERY_TILE 16            /* queries of one request per attention work item */
+#ifndef PREFETCH_TILES
+#define PREFETCH_TILES 2 /* key tiles the attention kernel asks memory for ahead of use */
+#endif
 #define MAX_HEAD_DIM 256             /* the attention kernel's largest head dimension, a
                                         multiple of KEY_TILE as every head dimension must be */
 
