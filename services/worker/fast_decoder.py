@@ -165,10 +165,7 @@ class FastDecoder:
         self.embed = decoder.embed_tokens.weight.detach()  # [vocab, hidden]
         self.norm = decoder.norm.weight.detach()
         self.eps = decoder.norm.variance_epsilon
-        first = decoder.layers[0].self_attn
-        self.head_dim = first.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads or self.num_heads
+        self.num_heads = config.num_attention_heads  # the kernels take the KV shape from the cache
         self.layers = [self._layer(layer, config) for layer in decoder.layers]
         self.lm_head = PackedLinear(model.get_output_embeddings().weight.detach())
         head = model.get_output_embeddings()

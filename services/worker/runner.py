@@ -240,7 +240,8 @@ class ModelRunner:
             keep_rows = torch.tensor([batch.input_ids.shape[1] - 1], device=self.device)
         else:
             keep_rows = batch.sample_rows
-        if batch.tables is not None and self.decoder is not None:
+        if self.decoder is not None:
+            assert batch.tables is not None, "_pack builds the tables for the decoder"
             logits = self.decoder(
                 batch.input_ids[0], batch.position_ids[0], batch.tables, self.kv_cache, keep_rows
             )
