@@ -29,56 +29,81 @@ def find_engine() -> Any | None:
     return getattr(importlib.import_module(ENGINE_MODULE), "Engine", None)
 
 
+NOT_AVAILABLE = {"available": False, "message": "in-process engine not available yet"}
+
+
+class InProcess:
+    """One in-process engine, loaded and warmed up once, run on workload after workload (the
+    interleaved rounds of `--rounds` reuse it)."""
+
+    def __init__(self, engine: Any, speculate: int) -> None:
+        self.engine = engine
+        self.speculate = speculate
+        engine.add(engine.tokenizer.encode("Once upon a time").ids, 2)  # first forward pass
+        engine.run()  # outside any timing
+
+    def run(self, cases: list[Case], concurrency: int | None = None) -> dict[str, Any]:
+        """Tokens/s on `cases`, at most `concurrency` requests in the engine at once (a new one
+        as soon as one ends, like the server's closed loop; None: all at once)."""
+        engine = self.engine
+        tokenized = [engine.tokenizer.encode(case.prompt).ids for case in cases]
+        stats = engine.stats
+        before, gaps_before = stats.num_generated_tokens, len(stats.token_gaps)
+        steps_before, drafts_before = stats.num_steps, stats.num_draft_tokens
+        accepted_before = stats.num_accepted_tokens
+        limit = concurrency or len(cases)
+        waiting = list(zip(tokenized, cases, strict=True))[::-1]
+        added = []
+        started = time.perf_counter()
+        while True:
+            in_engine = engine.num_unfinished
+            while waiting and in_engine < limit:
+                ids, case = waiting.pop()
+                added.append(engine.add(ids, case.max_new_tokens))
+                in_engine += 1
+            if not engine.step() and not waiting:
+                break
+        wall_s = time.perf_counter() - started
+        for request_id in added:  # the outputs are not kept: the engine runs on
+            engine.take(request_id)
+        num_tokens = stats.num_generated_tokens - before
+        return {
+            "available": True,
+            "tokens_per_s": round(num_tokens / wall_s, 1),
+            "generated_tokens": num_tokens,
+            "wall_s": round(wall_s, 3),
+            "concurrency": limit,
+            "itl": Summary.of(stats.token_gaps[gaps_before:]).as_ms(),
+            # forward passes per generated token (1.0 without speculation when every step
+            # decodes)
+            "steps_per_token": round((stats.num_steps - steps_before) / max(1, num_tokens), 3),
+            "speculate": self.speculate,
+            "draft_tokens": stats.num_draft_tokens - drafts_before,
+            "accepted_tokens": stats.num_accepted_tokens - accepted_before,
+        }
+
+
+def load_inprocess(model_dir: Path, speculate: int = 0) -> InProcess | None:
+    """The engine on `model_dir`, warmed up; None where services.engine is absent."""
+    engine_class = find_engine()
+    if engine_class is None:
+        return None
+    return InProcess(engine_class(str(model_dir), speculate=speculate), speculate)
+
+
 def run_inprocess(
     model_dir: Path, cases: list[Case], concurrency: int | None = None, speculate: int = 0
 ) -> dict[str, Any]:
-    """{"available": False, "message"} without an engine; else its tokens/s on `cases`, at
-    most `concurrency` requests in the engine at once (a new one as soon as one ends, like
-    the server's closed loop; None: all at once)."""
-    engine_class = find_engine()
-    if engine_class is None:
-        return {"available": False, "message": "in-process engine not available yet"}
-    engine = engine_class(str(model_dir), speculate=speculate)
-    tokenized = [engine.tokenizer.encode(case.prompt).ids for case in cases]
-    engine.add(tokenized[0], 2)  # warm-up: first forward pass outside the timing
-    engine.run()
-    stats = engine.stats
-    before, gaps_before = stats.num_generated_tokens, len(stats.token_gaps)
-    steps_before, drafts_before = stats.num_steps, stats.num_draft_tokens
-    accepted_before = stats.num_accepted_tokens
-    limit = concurrency or len(cases)
-    waiting = list(zip(tokenized, cases, strict=True))[::-1]
-    started = time.perf_counter()
-    while True:
-        in_engine = engine.num_unfinished
-        while waiting and in_engine < limit:
-            ids, case = waiting.pop()
-            engine.add(ids, case.max_new_tokens)
-            in_engine += 1
-        if not engine.step() and not waiting:
-            break
-    wall_s = time.perf_counter() - started
-    num_tokens = engine.stats.num_generated_tokens - before
-    return {
-        "available": True,
-        "tokens_per_s": round(num_tokens / wall_s, 1),
-        "generated_tokens": num_tokens,
-        "wall_s": round(wall_s, 3),
-        "concurrency": limit,
-        "itl": Summary.of(stats.token_gaps[gaps_before:]).as_ms(),
-        # forward passes per generated token (1.0 without speculation when every step decodes)
-        "steps_per_token": round((stats.num_steps - steps_before) / max(1, num_tokens), 3),
-        "speculate": speculate,
-        "draft_tokens": stats.num_draft_tokens - drafts_before,
-        "accepted_tokens": stats.num_accepted_tokens - accepted_before,
-    }
+    """One run of `InProcess.run` on a fresh engine; NOT_AVAILABLE without an engine."""
+    inprocess = load_inprocess(model_dir, speculate)
+    return dict(NOT_AVAILABLE) if inprocess is None else inprocess.run(cases, concurrency)
 
 
 def run_ceiling(model_dir: Path) -> dict[str, Any]:
     """services.bench.ceiling's decode measurement on the in-process engine."""
     engine_class = find_engine()
     if engine_class is None:
-        return {"available": False, "message": "in-process engine not available yet"}
+        return dict(NOT_AVAILABLE)
     from services.bench.ceiling import decode_ceiling
 
     return decode_ceiling(engine_class, model_dir)

@@ -26,11 +26,17 @@ from typing import Any
 from services.bench import cpu
 from services.bench.arrivals import poisson_arrivals
 from services.bench.client import LevelRun, run_closed_loop, run_open_loop
-from services.bench.inprocess import run_ceiling, run_inprocess
+from services.bench.inprocess import NOT_AVAILABLE, load_inprocess, run_ceiling
 from services.bench.plot import MISSING, can_plot, plot
 from services.bench.progress import Progress
 from services.bench.random_model import SHAPES
-from services.bench.report import add_ratios, format_table, level_metrics
+from services.bench.report import (
+    add_ratios,
+    format_table,
+    level_metrics,
+    median_of_rounds,
+    round_record,
+)
 from services.bench.server import Served, served_dtype, server
 from services.bench.workload import (
     Case,
@@ -40,6 +46,7 @@ from services.bench.workload import (
     tokenizer_counter,
 )
 from shared.model_files import eos_token_ids, resolve_model_dir
+from shared.openmp import share_cores
 
 DEFAULT_CONCURRENCY = "1,4,16,32"
 
@@ -126,6 +133,16 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
         "--compare-inprocess", action="store_true", help="the in-process engine, when present"
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --compare-inprocess and one --concurrency level: N server/in-process "
+        "pairs in alternating order (server first, then in-process first, ...), round i on "
+        "a synthetic workload seeded seed+i; ratios per round and their median (a noisy "
+        "host drifts between two phases of one round less than across a whole run)",
+    )
+    parser.add_argument(
         "--compare-prefix-caching",
         action="store_true",
         help="the same levels on a second launched server with --disable-prefix-caching: "
@@ -153,8 +170,10 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_workload(args: argparse.Namespace, model_dir: Path) -> tuple[list[Case], str]:
-    """The cases and a one-line description of them."""
+def build_workload(
+    args: argparse.Namespace, model_dir: Path, seed: int | None = None
+) -> tuple[list[Case], str]:
+    """The cases and a one-line description of them (`seed`: instead of --seed)."""
     if args.dataset is not None:
         cases = dataset_workload(args.dataset, args.num_requests, args.output_len_range[1])
         return cases, f"{args.dataset} ({len(cases)} requests)"
@@ -163,7 +182,7 @@ def build_workload(args: argparse.Namespace, model_dir: Path) -> tuple[list[Case
         args.input_len_range,
         args.output_len_range,
         tokenizer_counter(model_dir),
-        args.seed,
+        args.seed if seed is None else seed,
         args.shared_prefix_len,
     )
     (in_low, in_high), (out_low, out_high) = args.input_len_range, args.output_len_range
@@ -174,20 +193,19 @@ def build_workload(args: argparse.Namespace, model_dir: Path) -> tuple[list[Case
     )
 
 
+def _concurrency_levels(args: argparse.Namespace) -> list[int]:
+    if args.concurrency is None and args.request_rate is None:
+        return _ints(DEFAULT_CONCURRENCY)
+    return args.concurrency or []
+
+
 def run_levels(served: Served, cases: list[Case], args: argparse.Namespace) -> list[LevelRun]:
-    concurrency = args.concurrency
-    if concurrency is None and args.request_rate is None:
-        concurrency = _ints(DEFAULT_CONCURRENCY)
     show = not args.no_progress
     url = served.url
     runs = []
     asyncio.run(run_closed_loop(url, cases[:2], 2))  # warm-up, not reported
-    for level in concurrency or []:
-        bar = Progress(f"c={level}", len(cases)) if show else None
-        on_done = bar.advance if bar else lambda: None
-        runs.append(_measured(served, run_closed_loop(url, cases, level, on_done)))
-        if bar:
-            bar.close()
+    for level in _concurrency_levels(args):
+        runs.append(closed_level(served, cases, level, f"c={level}", show))
     for rate in args.request_rate or []:
         bar = Progress(f"rate={rate:g}/s", len(cases)) if show else None
         send_times = poisson_arrivals(len(cases), rate, args.seed)
@@ -196,6 +214,17 @@ def run_levels(served: Served, cases: list[Case], args: argparse.Namespace) -> l
         if bar:
             bar.close()
     return runs
+
+
+def closed_level(
+    served: Served, cases: list[Case], concurrency: int, label: str, show: bool
+) -> LevelRun:
+    bar = Progress(label, len(cases)) if show else None
+    on_done = bar.advance if bar else lambda: None
+    run = _measured(served, run_closed_loop(served.url, cases, concurrency, on_done))
+    if bar:
+        bar.close()
+    return run
 
 
 def _measured(served: Served, level: Coroutine[Any, Any, LevelRun]) -> LevelRun:
@@ -262,13 +291,72 @@ def compare_prefix_caching(
     return {"levels": levels}
 
 
-def run(args: argparse.Namespace) -> int:
+def compare_inprocess(
+    served: Served,
+    model_dir: Path,
+    cases: list[Case],
+    runs: list[LevelRun],
+    args: argparse.Namespace,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The in-process baseline on the levels' workload, run while the launched server sits
+    idle (its CPU meanwhile is reported), then rounds 1..N-1 of `--rounds`: the same engine
+    and the server on a new workload each, in alternating order. Returns the baseline and
+    every round (round 0: the levels' first and that baseline)."""
+    first = runs[0] if runs and runs[0].mode == "concurrency" else None
+    concurrency = int(first.value) if first else None
+    inprocess = load_inprocess(model_dir, args.speculate)
+    if inprocess is None:
+        return dict(NOT_AVAILABLE), []
+    before, started = cpu.snapshot(served.pid), time.perf_counter()
+    baseline = inprocess.run(cases, concurrency)
+    idle = cpu.percent_of_core(before, cpu.snapshot(served.pid), time.perf_counter() - started)
+    baseline["server_idle_cpu_pct"] = {k: v for k, v in idle.items() if k != "bench"}
+    if first is None or args.rounds == 1:
+        return baseline, []
+    rounds = [round_record(0, args.seed, "server", level_metrics(first), baseline)]
+    show = not args.no_progress
+    for index in range(1, args.rounds):
+        seed = args.seed + index
+        round_cases, _ = build_workload(args, model_dir, seed)
+        label = f"round {index} c={concurrency}"
+        if index % 2:  # in-process first
+            measured = inprocess.run(round_cases, concurrency)
+            level = closed_level(served, round_cases, concurrency or 1, label, show)
+        else:
+            level = closed_level(served, round_cases, concurrency or 1, label, show)
+            measured = inprocess.run(round_cases, concurrency)
+        order = "inprocess" if index % 2 else "server"
+        rounds.append(round_record(index, seed, order, level_metrics(level), measured))
+    return baseline, rounds
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    """Why these flags cannot run together, or None."""
     if args.plot is not None and not can_plot():
-        print(MISSING, file=sys.stderr)
-        return 2
+        return MISSING
     if args.compare_prefix_caching and args.url:
-        print("--compare-prefix-caching launches its servers: drop --url", file=sys.stderr)
+        return "--compare-prefix-caching launches its servers: drop --url"
+    if args.rounds < 1:
+        return f"--rounds must be at least 1, got {args.rounds}"
+    if args.rounds > 1:
+        if not args.compare_inprocess:
+            return "--rounds pairs the server with the in-process engine: add --compare-inprocess"
+        if args.concurrency is None or len(args.concurrency) != 1 or args.request_rate:
+            return "--rounds needs exactly one --concurrency level and no --request-rate"
+        if args.dataset is not None:
+            return "--rounds draws a new synthetic workload each round: drop --dataset"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = _check_args(args)
+    if problem is not None:
+        print(problem, file=sys.stderr)
         return 2
+    # the baselines run with the OpenMP spin-wait `textgen launch` gives its workers (set
+    # before anything imports torch)
+    if "torch" not in sys.modules:
+        share_cores()
     if args.random_model:
         from services.bench.random_model import build_random_model
 
@@ -278,9 +366,13 @@ def run(args: argparse.Namespace) -> int:
     cases, workload = build_workload(args, model_dir)
     if args.speculate:
         args.launch_arg = [*args.launch_arg, "--speculate", str(args.speculate)]
+    inprocess_baseline: dict[str, Any] = {}
+    rounds: list[dict[str, Any]] = []
     with server(args.url, str(model_dir), args.launch_arg) as served:
         dtype = served_dtype(served.url) or "float32"
         runs = run_levels(served, cases, args)
+        if args.compare_inprocess:
+            inprocess_baseline, rounds = compare_inprocess(served, model_dir, cases, runs, args)
     report: dict[str, Any] = {
         "model": args.model_id or f"random {args.random_model}",
         "dtype": dtype,
@@ -294,10 +386,9 @@ def run(args: argparse.Namespace) -> int:
             compare_transformers(model_dir, cases, runs[0] if runs else None, dtype)
         )
     if args.compare_inprocess:
-        first = runs[0] if runs and runs[0].mode == "concurrency" else None
-        report["baselines"]["inprocess"] = run_inprocess(
-            model_dir, cases, int(first.value) if first else None, args.speculate
-        )
+        report["baselines"]["inprocess"] = inprocess_baseline
+        if rounds:
+            report["rounds"] = {"rounds": rounds, "median": median_of_rounds(rounds)}
     add_ratios(report)
     if args.compare_prefix_caching:
         report["prefix_caching"] = compare_prefix_caching(model_dir, cases, args, runs)

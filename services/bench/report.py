@@ -9,6 +9,7 @@ last answer); only successful requests count toward latencies and tokens."""
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 from services.bench.ceiling import format_ceiling
@@ -80,6 +81,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"cached vs {_fmt(level['ttft_p50_ms_uncached'])} ms uncached "
             f"(x{level['ttft_p50_ratio']}), outputs identical {level['outputs_identical']}"
         )
+    lines += format_rounds(report.get("rounds"))
     if "ceiling" in report:
         lines.append(format_ceiling(report["ceiling"]))
     return "\n".join(lines)
@@ -101,11 +103,75 @@ def format_baseline(name: str, baseline: dict[str, Any], levels: list[dict[str, 
             extra += f" (speculate {baseline['speculate']}: {rate:.0%} of proposals accepted)"
     if "itl" in baseline:
         extra += f"  itl p50 {_fmt(baseline['itl']['p50_ms'])} ms" + "".join(
-            f" ({_label(level)} +{_fmt(level['itl']['p50_ms'] - baseline['itl']['p50_ms'])})"
+            f" ({_label(level)} {_signed(level['itl']['p50_ms'] - baseline['itl']['p50_ms'])})"
             for level in levels
             if level["itl"]["p50_ms"] is not None and baseline["itl"]["p50_ms"] is not None
         )
+    if baseline.get("server_idle_cpu_pct"):
+        extra += (
+            "  (idle server meanwhile, cpu % of one core: "
+            + "  ".join(
+                f"{role} {pct:.1f}" for role, pct in baseline["server_idle_cpu_pct"].items()
+            )
+            + ")"
+        )
     return f"{name}: {tokens_per_s:.1f} tok/s; server/{name}: {ratios}{extra}"
+
+
+def round_record(
+    index: int, seed: int, first: str, level: dict[str, Any], inprocess: dict[str, Any]
+) -> dict[str, Any]:
+    """One server/in-process pair of `--rounds`: the level's metrics against the engine's."""
+    server_itl, inprocess_itl = level["itl"]["p50_ms"], inprocess["itl"]["p50_ms"]
+    return {
+        "round": index,
+        "seed": seed,  # the synthetic workload's
+        "first": first,  # "server" or "inprocess": which ran first
+        "server_tokens_per_s": level["output_token_throughput"],
+        "inprocess_tokens_per_s": inprocess["tokens_per_s"],
+        "ratio": round(level["output_token_throughput"] / inprocess["tokens_per_s"], 3)
+        if inprocess["tokens_per_s"]
+        else None,
+        "server_itl_p50_ms": server_itl,
+        "inprocess_itl_p50_ms": inprocess_itl,
+        "itl_p50_added_ms": round(server_itl - inprocess_itl, 2)
+        if server_itl is not None and inprocess_itl is not None
+        else None,
+        "server_failed": level["num_failed"],
+    }
+
+
+def median_of_rounds(rounds: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The median of each ratio over the rounds that have it."""
+
+    def median(key: str) -> float | None:
+        values = [r[key] for r in rounds if r[key] is not None]
+        return round(statistics.median(values), 3) if values else None
+
+    return {key: median(key) for key in ("ratio", "itl_p50_added_ms")}
+
+
+def format_rounds(rounds: dict[str, Any] | None) -> list[str]:
+    if not rounds:
+        return []
+    lines = []
+    for r in rounds["rounds"]:
+        lines.append(
+            f"round {r['round']} (seed {r['seed']}, {r['first']} first): server "
+            f"{r['server_tokens_per_s']:.1f} tok/s, in-process {r['inprocess_tokens_per_s']:.1f}"
+            f" (x{r['ratio']}), itl p50 {_fmt(r['server_itl_p50_ms'])} vs "
+            f"{_fmt(r['inprocess_itl_p50_ms'])} ms ({_signed(r['itl_p50_added_ms'])})"
+        )
+    median = rounds["median"]
+    lines.append(
+        f"median of {len(rounds['rounds'])} rounds: server/inprocess x{median['ratio']}, "
+        f"itl p50 {_signed(median['itl_p50_added_ms'])} ms"
+    )
+    return lines
+
+
+def _signed(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.1f}"
 
 
 def add_ratios(report: dict[str, Any]) -> None:

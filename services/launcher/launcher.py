@@ -19,6 +19,7 @@ import urllib.request
 
 from services.launcher.embedded_redis import EmbeddedRedis
 from shared.bus import redact_url
+from shared.openmp import share_cores
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,8 @@ class Launcher:
         env = {**os.environ, "REDIS_URL": redis_url}  # secrets in the environment, not in `ps`
         if self.settings.api_key:
             env["API_KEY"] = self.settings.api_key
+        if name.startswith("worker") and share_cores(env):
+            log.info("%s shares its cores: GOMP_SPINCOUNT=%s", name, env["GOMP_SPINCOUNT"])
         self.children[name] = subprocess.Popen(
             command, env=env, start_new_session=True, preexec_fn=_die_with_parent
         )

@@ -47,6 +47,38 @@ def test_smoke_run_json(stories_model):
         assert level["ttft"]["p50_ms"] <= level["e2e"]["p50_ms"]
 
 
+@pytest.mark.integration
+def test_rounds_pair_the_server_with_the_inprocess_engine(stories_model):
+    argv = [sys.executable, "-m", "services.launcher.cli", "bench", "--model-id"]
+    argv += [str(stories_model), "--num-requests", "6", "--concurrency", "3", "--json"]
+    argv += ["--input-len-range", "16:48", "--output-len-range", "8:16", "--seed", "5"]
+    argv += ["--compare-inprocess", "--rounds", "3"]
+    result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "round 2 c=3 [" in result.stderr  # each round's server level has its progress bar
+    report = json.loads(result.stdout)
+    baseline = report["baselines"]["inprocess"]
+    # the in-process run happened beside the idle launched server, whose CPU is reported
+    assert {"worker", "scheduler", "gateway", "redis"} <= set(baseline["server_idle_cpu_pct"])
+    rounds = report["rounds"]["rounds"]
+    assert [(r["round"], r["seed"], r["first"]) for r in rounds] == [
+        (0, 5, "server"),
+        (1, 6, "inprocess"),
+        (2, 7, "server"),
+    ]
+    # round 0 is the report's level and baseline; every round measured both sides
+    assert rounds[0]["server_tokens_per_s"] == report["levels"][0]["output_token_throughput"]
+    assert rounds[0]["inprocess_tokens_per_s"] == baseline["tokens_per_s"]
+    for r in rounds:
+        assert r["server_failed"] == 0
+        assert r["server_tokens_per_s"] > 0 and r["inprocess_tokens_per_s"] > 0
+        assert r["ratio"] == pytest.approx(
+            r["server_tokens_per_s"] / r["inprocess_tokens_per_s"], abs=1e-3
+        )
+    ratios = sorted(r["ratio"] for r in rounds)
+    assert report["rounds"]["median"]["ratio"] == ratios[1]
+
+
 def test_inprocess_seam_without_engine(monkeypatch, tmp_path):
     monkeypatch.setattr(inprocess, "ENGINE_MODULE", "services.no_such_engine")
     assert inprocess.find_engine() is None

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from shared.openmp import SPINCOUNT, USER_CHOICES
 from tests.support.redis_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +37,8 @@ def is_alive(pid: int) -> bool:
 
 def launch(model: Path, port: int, *flags: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("REDIS_URL", None)
+    for name in ("REDIS_URL", *USER_CHOICES):
+        env.pop(name, None)
     return subprocess.Popen(
         [
             sys.executable,
@@ -108,6 +110,13 @@ def test_launch_serves_the_readme_curl_and_stops_on_sigterm(launched):
     assert len(pids) >= 4  # redis-server, worker, scheduler, gateway
     for pid in pids:  # secrets travel in the environment, never on a command line
         assert b"--redis-url" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    # the worker, sharing the cores with the rest, spins briefly at OpenMP barriers
+    spin = f"GOMP_SPINCOUNT={SPINCOUNT}".encode()
+    for pid in pids:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if b"services.launcher.cli" in argv:
+            assert (spin in environ) == (b"worker" in argv), argv
     # the README's example, through curl
     body = json.dumps({"inputs": "Once upon a time", "parameters": {"max_new_tokens": 40}})
     out = subprocess.run(
