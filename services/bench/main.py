@@ -314,18 +314,18 @@ def compare_inprocess(
     if first is None or args.rounds == 1:
         return baseline, []
     rounds = [round_record(0, args.seed, "server", level_metrics(first), baseline)]
-    show = not args.no_progress
+    show, level_concurrency = not args.no_progress, int(first.value)
     for index in range(1, args.rounds):
         seed = args.seed + index
         round_cases, _ = build_workload(args, model_dir, seed)
-        label = f"round {index} c={concurrency}"
-        if index % 2:  # in-process first
-            measured = inprocess.run(round_cases, concurrency)
-            level = closed_level(served, round_cases, concurrency or 1, label, show)
+        label = f"round {index} c={level_concurrency}"
+        order = "inprocess" if index % 2 else "server"  # which side runs first alternates
+        if order == "inprocess":
+            measured = inprocess.run(round_cases, level_concurrency)
+            level = closed_level(served, round_cases, level_concurrency, label, show)
         else:
-            level = closed_level(served, round_cases, concurrency or 1, label, show)
-            measured = inprocess.run(round_cases, concurrency)
-        order = "inprocess" if index % 2 else "server"
+            level = closed_level(served, round_cases, level_concurrency, label, show)
+            measured = inprocess.run(round_cases, level_concurrency)
         rounds.append(round_record(index, seed, order, level_metrics(level), measured))
     return baseline, rounds
 

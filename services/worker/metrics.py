@@ -2,34 +2,36 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from shared.telemetry import new_registry
 
 STEP_BUCKETS = [0.0005 * 1.6**i for i in range(24)]
 
 
+def step_histogram(name: str, documentation: str, registry: CollectorRegistry) -> Histogram:
+    """A per-step duration in seconds (buckets from 0.5 ms to ~25 s)."""
+    return Histogram(name, documentation, buckets=STEP_BUCKETS, registry=registry)
+
+
 class WorkerMetrics:
     def __init__(self) -> None:
         self.registry = new_registry()
         r = self.registry
-        self.step_duration = Histogram(
+        self.step_duration = step_histogram(
             "textgen_worker_step_duration_seconds",
             "whole step on the worker: plan applied to tokens sampled",
-            buckets=STEP_BUCKETS,
-            registry=r,
+            r,
         )
-        self.forward_duration = Histogram(
+        self.forward_duration = step_histogram(
             "textgen_worker_forward_duration_seconds",
             "model forward per step",
-            buckets=STEP_BUCKETS,
-            registry=r,
+            r,
         )
-        self.sample_duration = Histogram(
+        self.sample_duration = step_histogram(
             "textgen_worker_sample_duration_seconds",
             "sampling per step",
-            buckets=STEP_BUCKETS,
-            registry=r,
+            r,
         )
         self.tokens_per_s = Gauge(
             "textgen_worker_tokens_per_second",
@@ -55,11 +57,10 @@ class WorkerMetrics:
         self.step_failures = Counter(
             "textgen_worker_step_failures", "steps that raised", registry=r
         )
-        self.publish_duration = Histogram(
+        self.publish_duration = step_histogram(
             "textgen_worker_publish_duration_seconds",
             "one step's token events and result to Redis (overlaps the next step's forward)",
-            buckets=STEP_BUCKETS,
-            registry=r,
+            r,
         )
         self.attention = Gauge(
             "textgen_worker_attention_info",

@@ -107,8 +107,9 @@ def sample_greedy_batch(logits: torch.Tensor, top_n_tokens: list[int]) -> list[S
         token_ids, chosen_logprobs = ops.greedy(logits)  # one read of each row, no float copy
     else:
         logits = logits.float()  # argmax over half precision is several times slower on CPU
-        chosen_logprobs = logits.log_softmax(-1).gather(1, logits.argmax(-1)[:, None])[:, 0]
-        token_ids, chosen_logprobs = logits.argmax(-1).tolist(), chosen_logprobs.tolist()
+        argmax = logits.argmax(-1)
+        chosen = logits.log_softmax(-1).gather(1, argmax[:, None])[:, 0]
+        token_ids, chosen_logprobs = argmax.tolist(), chosen.tolist()
     return [
         Sampled(
             token_ids[i],
