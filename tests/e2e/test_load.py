@@ -1,9 +1,10 @@
 """Load on the real services: 200 concurrent SSE streams all complete with contiguous token
 indexes, and clients that hang up mid-generation free their KV blocks within 2 scheduler steps
-of the server seeing the last hang-up, counted as tgi_request_failure{err="dropped"}. Two is the
-designed worst case: an abort heard after the scheduler's loop applied aborts but before it sent
-its plan still rides in that plan and is applied on the next loop turn, and when nothing else runs the worker is then sent a plan that only releases
-the aborted requests."""
+of the server seeing the last hang-up, counted as tgi_request_failure{err="dropped"}.
+
+Two is the designed worst case: an abort heard after the scheduler's loop applied aborts but
+before it sent its plan still rides in that plan and is applied on the next loop turn; when
+nothing else runs, the worker is then sent a plan that only releases the aborted requests."""
 
 from __future__ import annotations
 
