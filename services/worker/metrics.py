@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from shared.telemetry import new_registry
 
 STEP_BUCKETS = [0.0005 * 1.6**i for i in range(24)]
+GAP_BUCKETS = [0.00005 * 2**i for i in range(16)]  # 50 µs to ~1.6 s
 
 
 def step_histogram(name: str, documentation: str, registry: CollectorRegistry) -> Histogram:
@@ -61,6 +62,13 @@ class WorkerMetrics:
             "textgen_worker_publish_duration_seconds",
             "one step's token events and result to Redis (overlaps the next step's forward)",
             r,
+        )
+        self.step_gap = Histogram(
+            "textgen_worker_step_gap_seconds",
+            "torch thread idle between a step and the next one, when that plan was handed over "
+            "before the step ended (back to back: what the hand-over itself costs)",
+            buckets=GAP_BUCKETS,
+            registry=r,
         )
         self.attention = Gauge(
             "textgen_worker_attention_info",

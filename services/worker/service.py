@@ -2,7 +2,8 @@
 
 Reads StepPlans from {ns}:group:{g}:steps (a background reader keeps the next ones at hand),
 runs them on the ModelRunner (on the torch thread, so the heartbeat keeps beating during a long
-forward), and in one pipeline PUBLISHes one ReplyBatch per gateway and XADDs the StepResult to
+forward; the next plan is queued there before the current step ends, so forwards run back to
+back), and in one pipeline PUBLISHes one ReplyBatch per gateway and XADDs the StepResult to
 {ns}:group:{g}:results, while the next step computes.
 """
 
@@ -12,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,6 +38,7 @@ HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TTL_S = 5
 RESULTS_MAXLEN = 1000
 TRIM_EVERY = 64  # plans read between two trims of the steps stream (a round trip each)
+STEPS_HANDED_OVER = 2  # plans queued on the torch thread at once: the one computing, the next
 
 
 class WorkerService:
@@ -94,6 +97,7 @@ class WorkerService:
         self.stop_at: float | None = None  # unix s; set by request_stop()
         # every forward on the thread that loaded the model: see services/worker/main.py
         self._forward_thread = torch_thread or ThreadPoolExecutor(1, thread_name_prefix="torch")
+        self._last_step_end: float | None = None  # perf_counter, on the torch thread
 
     def ready_message(self) -> WorkerReady:
         cache = self.runner.kv_cache
@@ -142,33 +146,71 @@ class WorkerService:
             log.info("stopping once idle (at most %.0f s)", self.settings.shutdown_grace)
 
     async def _step_loop(self) -> None:
-        """Execute plans until stopped. Step N's events and result are published while step
-        N+1 computes (the scheduler sent N+1 before it hears of N), so the forward passes run
-        back to back; an outcome is published before waiting for more plans. A Redis outage
+        """Execute plans until stopped. A plan is handed to the torch thread as soon as it
+        arrives, even while the step before it computes, so the thread starts it the moment
+        that step ends (without waiting for this loop, which is publishing); at most
+        STEPS_HANDED_OVER are handed over at once. Step N's events and result are published
+        while step N+1 computes (the scheduler sent N+1 before it hears of N). A Redis outage
         pauses reading and publishing (retried with backoff; the heartbeat re-announces the
         group once Redis is back), never ends the loop, and never runs a plan twice."""
         plans: asyncio.Queue[StepPlan] = asyncio.Queue()
         reader = asyncio.create_task(self._read_plans(plans), name="plan-reader")
-        loop = asyncio.get_running_loop()
+        computing: deque[tuple[int, asyncio.Future[StepOutcome]]] = deque()  # (step_id, step)
         unpublished: StepOutcome | None = None
         try:
             while True:
-                if unpublished is not None and plans.empty():
-                    await self._publish_until_sent(unpublished)
-                    unpublished = None
-                plan = await self._next_plan(plans)
-                if plan is None:
-                    return
-                running = loop.run_in_executor(self._forward_thread, self._execute, plan)
-                if unpublished is not None:
-                    await self._publish_until_sent(unpublished)
-                unpublished = await running
-                self.last_step_id = plan.step_id
+                if not computing:
+                    plan = await self._next_plan(plans)
+                    if plan is None:
+                        return
+                    computing.append(self._hand_over(plan, is_queued=False))
+                await self._hand_over_arrivals(plans, computing)
+                step_id, step = computing.popleft()
+                unpublished = await step
+                self.last_step_id = step_id
+                await self._publish_until_sent(unpublished)
+                unpublished = None
         finally:
             reader.cancel()
+            for _, step in computing:
+                step.cancel()  # one not started yet never runs
             if unpublished is not None:
                 with contextlib.suppress(*REDIS_ERRORS):
                     await self._publish(unpublished)
+
+    def _hand_over(
+        self, plan: StepPlan, is_queued: bool = True
+    ) -> tuple[int, asyncio.Future[StepOutcome]]:
+        """Queue `plan` on the torch thread; `is_queued`: behind a step not done yet."""
+        loop = asyncio.get_running_loop()
+        step = loop.run_in_executor(self._forward_thread, self._execute, plan, is_queued)
+        return plan.step_id, step
+
+    async def _hand_over_arrivals(
+        self,
+        plans: asyncio.Queue[StepPlan],
+        computing: deque[tuple[int, asyncio.Future[StepOutcome]]],
+    ) -> None:
+        """Until the oldest step handed over is done: hand over each plan that arrives, while
+        fewer than STEPS_HANDED_OVER are."""
+        oldest = computing[0][1]
+        while len(computing) < STEPS_HANDED_OVER and not oldest.done() and not self._is_overdue():
+            if not plans.empty():
+                computing.append(self._hand_over(plans.get_nowait()))
+                continue
+            arrival = asyncio.ensure_future(plans.get())
+            try:
+                await asyncio.wait((oldest, arrival), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                has_arrived = arrival.done()
+                if not has_arrived:
+                    arrival.cancel()  # a cancelled get() takes nothing from the queue
+            if has_arrived:
+                computing.append(self._hand_over(arrival.result()))
+
+    def _is_overdue(self) -> bool:
+        """Stopping, and the grace period is over: no more plans are executed."""
+        return self.stop_at is not None and time.time() >= self.stop_at
 
     async def _next_plan(self, plans: asyncio.Queue[StepPlan]) -> StepPlan | None:
         """The next plan; None once stopping is due (no requests held and no plan waiting, or
@@ -180,9 +222,8 @@ class WorkerService:
                     plan = await plans.get()
             except TimeoutError:
                 plan = None
-            if self.stop_at is not None and (
-                (plan is None and not self.runner.requests) or time.time() >= self.stop_at
-            ):
+            is_idle = plan is None and not self.runner.requests
+            if (self.stop_at is not None and is_idle) or self._is_overdue():
                 log.info("stopped with %d requests held", len(self.runner.requests))
                 return None
             if plan is not None:
@@ -243,7 +284,9 @@ class WorkerService:
             approximate=True,
         )
 
-    def _execute(self, plan: StepPlan) -> StepOutcome:
+    def _execute(self, plan: StepPlan, is_queued: bool) -> StepOutcome:
+        if is_queued and self._last_step_end is not None:
+            self.metrics.step_gap.observe(time.perf_counter() - self._last_step_end)
         if self.on_plan is not None:
             self.on_plan(plan)
         outcome = self.runner.execute(plan)  # per-request spans: see ModelRunner
@@ -268,6 +311,7 @@ class WorkerService:
         log.debug(
             "step %d: %d tokens in %.2f ms", plan.step_id, result.num_tokens, result.step_s * 1e3
         )
+        self._last_step_end = time.perf_counter()
         return outcome
 
     async def _publish(self, outcome: StepOutcome) -> None:

@@ -49,6 +49,7 @@ def test_metrics_of_all_three_services_follow_a_run(tiny_cluster):
     before_publishes = total(
         tiny_cluster, "worker", "textgen_worker_publish_duration_seconds_count"
     )
+    before_gaps = total(tiny_cluster, "worker", "textgen_worker_step_gap_seconds_count")
 
     async def run():
         async with httpx.AsyncClient(timeout=60) as client:
@@ -100,6 +101,9 @@ def test_metrics_of_all_three_services_follow_a_run(tiny_cluster):
     # every step's events went out (after the next step started, or before waiting for one)
     publishes = total(tiny_cluster, "worker", "textgen_worker_publish_duration_seconds_count")
     assert publishes - before_publishes == forwards - before_forwards
+    # plans reach the torch thread while the step before them computes (back to back)
+    gaps = total(tiny_cluster, "worker", "textgen_worker_step_gap_seconds_count") - before_gaps
+    assert 0 < gaps < forwards - before_forwards
     # the tiny Llama runs on the fast CPU decoder in both groups
     kernel = 'textgen_worker_attention_info{kernel="cpu-kernels"}'
     assert total(tiny_cluster, "worker", kernel) == 2
