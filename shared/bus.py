@@ -78,6 +78,11 @@ def stream_fields(message: msgspec.Struct) -> dict[bytes, bytes]:
     return {FIELD: encode(message)}
 
 
+def pairs_to_fields(pairs: list[bytes]) -> dict[bytes, bytes]:
+    """A stream entry's fields from the flat [field, value, ...] list a script returns."""
+    return dict(zip(pairs[::2], pairs[1::2], strict=True))
+
+
 def entry_message(fields: dict[bytes, bytes], kind: type[T]) -> T:
     """The message inside a stream entry."""
     return decode(fields[FIELD], kind)

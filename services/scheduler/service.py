@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from services.scheduler.aborts import AbortListener
+from services.scheduler.lanes import LaneReader
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.recovery import (
     Unreadable,
@@ -68,6 +69,7 @@ class SchedulerService:
         self.channels = Channels(settings.namespace)
         self.group = settings.group
         self.consumer = f"{settings.group}-{uuid.uuid4().hex[:8]}"
+        self.lanes = LaneReader(redis, self.channels.lanes, SCHEDULER_GROUP, self.consumer)
         self.metrics = SchedulerMetrics()
         self.tracer = tracer("textgen.scheduler")
         self.scheduler: Scheduler | None = None
@@ -256,9 +258,10 @@ class SchedulerService:
             )
 
     async def _pull(self, block: bool) -> None:
-        """XREADGROUP as many requests as the group has room for, lane by lane (most urgent
-        first), so a lane is only read once the more urgent ones are empty. If all are empty and
-        the group is idle, block on all lanes at once for the next arrival (count 1 each)."""
+        """Read as many requests as the group has room for, lane by lane (most urgent first),
+        so a lane is only read once the more urgent ones are empty: one round trip (lanes.py).
+        If all are empty and the group is idle, block on all lanes at once for the next arrival
+        (count 1 each)."""
         scheduler = self.scheduler
         assert scheduler is not None
         room = scheduler.config.max_batch_size - scheduler.num_unfinished
@@ -266,13 +269,11 @@ class SchedulerService:
             if block:
                 await asyncio.sleep(0.1)
             return
-        lanes = self.channels.lanes
-        num_read = 0
-        for lane in lanes:
-            if room - num_read > 0:
-                num_read += await self._read(self._consumer_reads([lane], room - num_read, None))
-        if num_read == 0 and block:
-            await self._read(self._consumer_reads(lanes, 1, 1000))
+        entries = await self.lanes.read(room)
+        for stream, entry_id, fields in entries:
+            await self._accept(stream, entry_id, fields)
+        if not entries and block:
+            await self._read(self._consumer_reads(self.channels.lanes, 1, 1000))
 
     def _consumer_reads(self, streams: list[str], count: int, block_ms: int | None):
         return self.redis.xreadgroup(
