@@ -1,5 +1,9 @@
-"""OpenMP's spin-wait for a worker whose cores the control plane shares (`textgen launch`,
-the bench's in-process baseline).
+"""CPU placement of a worker's OpenMP threads (`textgen launch`, the bench's baselines).
+
+Two ways to live beside the control plane on a CPU host. Shared cores (the default): the
+spin-wait below. Split cores (`--worker-cpus`): the workers compute on their CPUs, the gateway,
+schedulers and Redis run on the others (`split_cpus`, `pin`), like vLLM's CPU backend, which
+binds its OpenMP threads and leaves cores to the serving process.
 
 A forward pass's OpenMP threads meet at a barrier after every parallel op; a thread that
 arrives first spins (GNU libgomp: GOMP_SPINCOUNT iterations, 300,000 by default, a few
@@ -27,3 +31,53 @@ def share_cores(env: MutableMapping[str, str] = os.environ) -> bool:
         return False
     env["GOMP_SPINCOUNT"] = SPINCOUNT
     return True
+
+
+def parse_cpus(text: str) -> set[int]:
+    """CPUs in taskset -c syntax ("0-3,8"); ValueError when malformed or empty."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, sep, high = part.strip().partition("-")
+        try:
+            first, last = int(low), int(high if sep else low)
+        except ValueError:
+            raise ValueError(f"bad CPU list {text!r}: use numbers and ranges, e.g. 0-3,8") from None
+        if first < 0 or last < first:
+            raise ValueError(f"bad CPU range {part.strip()!r} in {text!r}")
+        cpus.update(range(first, last + 1))
+    return cpus
+
+
+def split_cpus(worker_cpus: str, available: set[int] | None = None) -> tuple[set[int], set[int]]:
+    """(the workers' CPUs, the others' CPUs) out of `available` (default: this process's);
+    ValueError when the list names a CPU not available or leaves none for the others."""
+    available = os.sched_getaffinity(0) if available is None else available
+    workers = parse_cpus(worker_cpus)
+    if not workers <= available:
+        missing = ",".join(map(str, sorted(workers - available)))
+        usable = ",".join(map(str, sorted(available)))
+        raise ValueError(f"--worker-cpus names CPU {missing}, not available here ({usable})")
+    others = available - workers
+    if not others:
+        raise ValueError(f"--worker-cpus {worker_cpus} leaves no CPU for the other services")
+    return workers, others
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (threads it starts later inherit it)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
+def cpu_list(cpus: set[int]) -> str:
+    """`cpus` in taskset -c syntax, ranges joined: {0, 1, 2, 5} -> "0-2,5"."""
+    parts: list[str] = []
+    for cpu in sorted(cpus):
+        if parts and parts[-1].split("-")[-1] == str(cpu - 1):
+            parts[-1] = f"{parts[-1].split('-')[0]}-{cpu}"
+        else:
+            parts.append(str(cpu))
+    return ",".join(parts)

@@ -16,6 +16,8 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.openmp import parse_cpus
+
 # --quantize values (TGI's names): bitsandbytes int8/nf4/fp4 quantize while loading; gptq and
 # awq load checkpoints quantized ahead of time
 QUANTIZE_METHODS = ("bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "gptq", "awq")
@@ -108,6 +110,12 @@ class Settings(BaseSettings):
     num_groups: int = Field(
         1, description="worker groups `textgen launch` starts (a scheduler and a worker each)"
     )
+    worker_cpus: str | None = Field(
+        None,
+        description="launch on a CPU host: the CPUs the workers compute on (e.g. 0-5), as in "
+        "taskset -c; the gateway, schedulers and embedded Redis get the others, so they never "
+        "preempt a forward pass (default: every service shares every CPU)",
+    )
 
     @classmethod
     def settings_customise_sources(
@@ -128,6 +136,8 @@ class Settings(BaseSettings):
             raise ValueError("block_size must be > 0")
         if self.num_groups <= 0:
             raise ValueError("num_groups must be > 0")
+        if self.worker_cpus is not None:
+            parse_cpus(self.worker_cpus)  # raises ValueError with the reason
         if not 0 <= self.speculate <= 16:
             raise ValueError("speculate must be between 0 and 16")
         if (

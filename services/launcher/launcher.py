@@ -16,10 +16,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 from services.launcher.embedded_redis import EmbeddedRedis
 from shared.bus import redact_url
-from shared.openmp import share_cores
+from shared.openmp import cpu_list, share_cores, split_cpus
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,18 @@ def _die_with_parent() -> None:
         pass
 
 
+def _child_setup(cpus: set[int] | None) -> Callable[[], None]:
+    """What a child runs before its program: die with the launcher; stay on `cpus` (its
+    threads, OpenMP's included, inherit them, and libgomp sizes its pool to them)."""
+
+    def setup() -> None:
+        _die_with_parent()
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
+
+
 class Stop(Exception):
     """Raised by the signal handler to leave the wait loops."""
 
@@ -49,12 +62,28 @@ class Launcher:
         self.children: dict[str, subprocess.Popen] = {}
         self.num_restarts = 0
         self.redis_url = ""
+        # --worker-cpus: (the workers' CPUs, everyone else's); None: all share every CPU
+        self.placement: tuple[set[int], set[int]] | None = None
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        if self.settings.worker_cpus is not None:
+            try:
+                self.placement = split_cpus(self.settings.worker_cpus)
+            except ValueError as exc:
+                print(f"textgen: {exc}", file=sys.stderr, flush=True)
+                return 2
+            workers, others = self.placement
+            log.info(
+                "workers compute on CPUs %s; the other services run on %s",
+                cpu_list(workers),
+                cpu_list(others),
+            )
         try:
-            url = self.redis_url = self.settings.redis_url or self.redis.start()
+            url = self.redis_url = self.settings.redis_url or self.redis.start(
+                self.placement[1] if self.placement else None
+            )
             for group in range(self.settings.num_groups):
                 for service in GROUP_SERVICES:
                     self._spawn(self._child_name(service, group), url)
@@ -96,10 +125,12 @@ class Launcher:
         env = {**os.environ, "REDIS_URL": redis_url}  # secrets in the environment, not in `ps`
         if self.settings.api_key:
             env["API_KEY"] = self.settings.api_key
-        if name.startswith("worker") and share_cores(env):
+        is_worker = name.startswith("worker")
+        cpus = None if self.placement is None else self.placement[0 if is_worker else 1]
+        if is_worker and cpus is None and share_cores(env):
             log.info("%s shares its cores: GOMP_SPINCOUNT=%s", name, env["GOMP_SPINCOUNT"])
         self.children[name] = subprocess.Popen(
-            command, env=env, start_new_session=True, preexec_fn=_die_with_parent
+            command, env=env, start_new_session=True, preexec_fn=_child_setup(cpus)
         )
         log.info("started %s (pid %d)", name, self.children[name].pid)
 

@@ -4,10 +4,12 @@ their medians, and the flags `--rounds` cannot run with."""
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
 from services.bench.main import _check_args, add_bench_flags
+from services.bench.placement import Placement
 from services.bench.report import (
     add_ratios,
     format_baseline,
@@ -112,3 +114,40 @@ def test_rounds_flags_accepted():
         _check_args(parse(["--rounds", "5", "--compare-inprocess", "--concurrency", "32"])) is None
     )
     assert _check_args(parse(["--compare-inprocess", "--concurrency", "1,4"])) is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [
+        (["--worker-cpus", "0", "--url", "http://x"], "drop --url"),
+        (["--worker-cpus", "4096"], "not available here"),
+        (["--worker-cpus", "x"], "bad CPU list"),
+    ],
+)
+def test_worker_cpus_flag_problems(argv, problem):
+    assert problem in _check_args(parse(argv))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to split")
+def test_the_bench_follows_the_split():
+    """Compute on the workers' CPUs with one torch thread each; the client on the others;
+    both undone after; the launched server gets the same flag."""
+    import torch
+
+    available = os.sched_getaffinity(0)
+    worker_cpu = max(available)
+    assert _check_args(parse(["--worker-cpus", str(worker_cpu)])) is None
+    placement = Placement(str(worker_cpu))
+    assert placement.launch_args() == ["--worker-cpus", str(worker_cpu)]
+    threads = torch.get_num_threads()
+    with placement.compute():
+        assert os.sched_getaffinity(0) == {worker_cpu}
+        assert torch.get_num_threads() == 1
+    with placement.client():
+        assert os.sched_getaffinity(0) == available - {worker_cpu}
+    assert os.sched_getaffinity(0) == available
+    assert torch.get_num_threads() == threads
+    unsplit = Placement()
+    assert unsplit.launch_args() == []
+    with unsplit.compute(), unsplit.client():
+        assert os.sched_getaffinity(0) == available

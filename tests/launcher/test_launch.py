@@ -211,3 +211,49 @@ def test_launch_starts_several_groups_that_all_serve(start):
         assert metrics.status_code == 200
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=60) == 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to split")
+def test_launch_splits_the_cpus_between_workers_and_the_rest(tiny_llama):
+    """--worker-cpus: the worker (all its threads, OpenMP's too) computes on those CPUs, and
+    every other child, the embedded redis-server included, runs on the rest."""
+    available = os.sched_getaffinity(0)
+    worker_cpu = max(available)
+    port = free_port()
+    process = launch(tiny_llama, port, "--worker-cpus", str(worker_cpu))
+    try:
+        wait_for_line(process, "textgen is ready")
+        placed = {}
+        for pid in children_of(process.pid):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            name = "redis" if b"redis-server" in argv[0] else argv[argv.index(b"-m") + 2].decode()
+            threads = {
+                frozenset(os.sched_getaffinity(int(task)))
+                for task in os.listdir(f"/proc/{pid}/task")
+            }
+            placed[name] = threads
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert not any(e.startswith(b"GOMP_SPINCOUNT=") for e in environ), name
+        assert placed == {
+            "worker": {frozenset({worker_cpu})},
+            "scheduler": {frozenset(available - {worker_cpu})},
+            "gateway": {frozenset(available - {worker_cpu})},
+            "redis": {frozenset(available - {worker_cpu})},
+        }
+        body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 4}}
+        response = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("cpus", "says"),
+    [("4096", "not available here"), ("0-", "bad CPU list"), ("all", "bad CPU list")],
+)
+def test_launch_refuses_a_worker_cpu_list_it_cannot_use(tiny_llama, cpus, says):
+    process = launch(tiny_llama, free_port(), "--worker-cpus", cpus)
+    out, _ = process.communicate(timeout=60)
+    assert process.returncode == 2, out
+    assert says in out

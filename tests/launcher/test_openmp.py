@@ -1,10 +1,11 @@
-"""shared.openmp: the spin-wait a core-sharing worker gets, unless the user chose one."""
+"""shared.openmp: the spin-wait a core-sharing worker gets, unless the user chose one, and
+the CPU lists of --worker-cpus."""
 
 from __future__ import annotations
 
 import pytest
 
-from shared.openmp import SPINCOUNT, share_cores
+from shared.openmp import SPINCOUNT, cpu_list, parse_cpus, share_cores, split_cpus
 
 
 def test_sets_the_spincount():
@@ -20,3 +21,29 @@ def test_a_users_choice_wins(name, value):
     env = {name: value}
     assert share_cores(env) is False
     assert env == {name: value}
+
+
+@pytest.mark.parametrize(
+    ("text", "cpus"), [("0", {0}), ("0-3,8", {0, 1, 2, 3, 8}), (" 2 , 4-5", {2, 4, 5})]
+)
+def test_cpu_lists_read_as_taskset_does(text, cpus):
+    assert parse_cpus(text) == cpus
+
+
+@pytest.mark.parametrize("text", ["", "a", "3-1", "-1", "1-", "0,,1"])
+def test_malformed_cpu_lists_are_refused(text):
+    with pytest.raises(ValueError, match="bad CPU"):
+        parse_cpus(text)
+
+
+def test_cpu_lists_written_back_with_ranges():
+    assert cpu_list({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
+    assert cpu_list(parse_cpus("3,1-2")) == "1-3"
+
+
+def test_the_split_gives_the_others_what_the_workers_leave():
+    assert split_cpus("0-5", available=set(range(8))) == ({0, 1, 2, 3, 4, 5}, {6, 7})
+    with pytest.raises(ValueError, match="CPU 9, not available here"):
+        split_cpus("8-9", available=set(range(9)))
+    with pytest.raises(ValueError, match="leaves no CPU for the other services"):
+        split_cpus("0-1", available={0, 1})
