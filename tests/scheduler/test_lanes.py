@@ -3,6 +3,8 @@ what is left stays for another consumer, and it is one command (one round trip).
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import redis.asyncio as aioredis
 
@@ -19,12 +21,21 @@ def own_redis_url():
         yield url
 
 
-async def fill(client: aioredis.Redis, channels: Channels, counts: dict[int, int]) -> None:
-    for lane in channels.lanes:
-        await ensure_group(client, lane, SCHEDULER_GROUP)
-    for priority, count in counts.items():
-        for i in range(count):
-            await client.xadd(channels.lane(priority), {b"m": f"{priority}/{i}".encode()})
+@contextlib.asynccontextmanager
+async def filled(url: str, namespace: str, counts: dict[int, int]):
+    """A client, and the lanes of `namespace` holding counts[priority] entries each
+    ("priority/i"), with the schedulers' consumer group."""
+    client = aioredis.from_url(url)
+    channels = Channels(namespace)
+    try:
+        for lane in channels.lanes:
+            await ensure_group(client, lane, SCHEDULER_GROUP)
+        for priority, count in counts.items():
+            for i in range(count):
+                await client.xadd(channels.lane(priority), {b"m": f"{priority}/{i}".encode()})
+        yield client, channels
+    finally:
+        await client.aclose()
 
 
 def calls(commandstats: dict, command: str) -> int:
@@ -36,10 +47,7 @@ def taken(entries) -> list[str]:
 
 
 async def test_urgent_lanes_first_and_never_past_the_room(redis_url, namespace):
-    client = aioredis.from_url(redis_url)
-    channels = Channels(namespace)
-    try:
-        await fill(client, channels, {1: 2, 0: 3, -1: 2})
+    async with filled(redis_url, namespace, {1: 2, 0: 3, -1: 2}) as (client, channels):
         first = LaneReader(client, channels.lanes, SCHEDULER_GROUP, "g0-a")
         entries = await first.read(4)
         assert taken(entries) == ["1/0", "1/1", "0/0", "0/1"]
@@ -54,27 +62,17 @@ async def test_urgent_lanes_first_and_never_past_the_room(redis_url, namespace):
             b"g0-a": 2,
             b"g1-b": 1,
         }
-    finally:
-        await client.aclose()
 
 
 async def test_no_room_reads_nothing(redis_url, namespace):
-    client = aioredis.from_url(redis_url)
-    channels = Channels(namespace)
-    try:
-        await fill(client, channels, {0: 2})
+    async with filled(redis_url, namespace, {0: 2}) as (client, channels):
         reader = LaneReader(client, channels.lanes, SCHEDULER_GROUP, "g0-a")
         assert await reader.read(0) == []
         assert taken(await reader.read(5)) == ["0/0", "0/1"]
-    finally:
-        await client.aclose()
 
 
 async def test_one_round_trip(own_redis_url, namespace):
-    client = aioredis.from_url(own_redis_url)
-    channels = Channels(namespace)
-    try:
-        await fill(client, channels, {1: 1, 0: 1, -1: 1})
+    async with filled(own_redis_url, namespace, {1: 1, 0: 1, -1: 1}) as (client, channels):
         reader = LaneReader(client, channels.lanes, SCHEDULER_GROUP, "g0-a")
         await reader.read(0)  # loads the script
         before = await client.info("commandstats")
@@ -83,5 +81,3 @@ async def test_one_round_trip(own_redis_url, namespace):
         assert calls(after, "evalsha") - calls(before, "evalsha") == 1
         # the three reads ran inside that one command
         assert calls(after, "xreadgroup") - calls(before, "xreadgroup") == 3
-    finally:
-        await client.aclose()
