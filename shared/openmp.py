@@ -18,8 +18,9 @@ before torch is imported (libgomp reads it once, when it loads)."""
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
+IO_CPUS_ENV = "TEXTGEN_WORKER_IO_CPUS"  # launch --worker-cpus: where a worker's event loop runs
 SPINCOUNT = "2000"  # iterations a libgomp thread spins at a barrier before sleeping
 USER_CHOICES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")  # a user's own setting wins
 
@@ -81,3 +82,16 @@ def cpu_list(cpus: set[int]) -> str:
         else:
             parts.append(str(cpu))
     return ",".join(parts)
+
+
+def move_to_io_cpus(env: Mapping[str, str] = os.environ) -> set[int] | None:
+    """A split worker (`textgen launch --worker-cpus`): the calling thread, its event loop,
+    onto the control plane's CPUs, once its torch thread (and so OpenMP's pool) exists on the
+    workers'; publishing and reading plans then take no time from a forward pass. None when
+    the launcher did not split the CPUs."""
+    text = env.get(IO_CPUS_ENV)
+    if not text:
+        return None
+    cpus = parse_cpus(text)
+    os.sched_setaffinity(0, cpus)
+    return cpus

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from services.launcher.embedded_redis import EmbeddedRedis
 from shared.bus import redact_url
-from shared.openmp import cpu_list, share_cores, split_cpus
+from shared.openmp import IO_CPUS_ENV, cpu_list, share_cores, split_cpus
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -129,6 +129,8 @@ class Launcher:
         cpus = None if self.placement is None else self.placement[0 if is_worker else 1]
         if is_worker and cpus is None and share_cores(env):
             log.info("%s shares its cores: GOMP_SPINCOUNT=%s", name, env["GOMP_SPINCOUNT"])
+        if is_worker and self.placement is not None:  # its event loop goes to the others'
+            env[IO_CPUS_ENV] = cpu_list(self.placement[1])
         self.children[name] = subprocess.Popen(
             command, env=env, start_new_session=True, preexec_fn=_child_setup(cpus)
         )

@@ -28,6 +28,7 @@ from services.worker.service import WorkerService
 from shared import aio
 from shared.bus import connect, wait_for_redis
 from shared.model_files import ModelNotFound
+from shared.openmp import cpu_list, move_to_io_cpus
 from shared.ops_server import OpsServer
 from shared.settings import Settings
 from shared.telemetry import new_registry, setup_tracing
@@ -84,6 +85,9 @@ async def serve(settings: Settings) -> None:
     if shards is not None:
         await on_torch_thread(broadcast_int, service.runner.kv_cache.num_blocks)
         shards.watch()
+    io_cpus = move_to_io_cpus()  # the torch thread exists: it stays on the workers' CPUs
+    if io_cpus is not None:
+        log.info("event loop on CPUs %s; forward passes on the workers'", cpu_list(io_cpus))
     holder.append(service)
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, service.request_stop)

@@ -215,8 +215,9 @@ def test_launch_starts_several_groups_that_all_serve(start):
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to split")
 def test_launch_splits_the_cpus_between_workers_and_the_rest(tiny_llama):
-    """--worker-cpus: the worker (all its threads, OpenMP's too) computes on those CPUs, and
-    every other child, the embedded redis-server included, runs on the rest."""
+    """--worker-cpus: the worker computes on those CPUs (its torch thread, OpenMP's too) while
+    its event loop (the main thread) and every other child, the embedded redis-server
+    included, run on the rest."""
     available = os.sched_getaffinity(0)
     worker_cpu = max(available)
     port = free_port()
@@ -230,16 +231,16 @@ def test_launch_splits_the_cpus_between_workers_and_the_rest(tiny_llama):
             threads = {
                 frozenset(os.sched_getaffinity(int(task)))
                 for task in os.listdir(f"/proc/{pid}/task")
+                if int(task) != pid
             }
-            placed[name] = threads
+            placed[name] = (frozenset(os.sched_getaffinity(pid)), threads or None)
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             assert not any(e.startswith(b"GOMP_SPINCOUNT=") for e in environ), name
-        assert placed == {
-            "worker": {frozenset({worker_cpu})},
-            "scheduler": {frozenset(available - {worker_cpu})},
-            "gateway": {frozenset(available - {worker_cpu})},
-            "redis": {frozenset(available - {worker_cpu})},
-        }
+        workers, others = frozenset({worker_cpu}), frozenset(available - {worker_cpu})
+        # (main thread, the other threads)
+        assert placed["worker"] == (others, {workers})
+        for name in ("scheduler", "gateway", "redis"):
+            assert placed[name][0] == others and placed[name][1] in (None, {others}), name
         body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 4}}
         response = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=60)
         assert response.status_code == 200, response.text

@@ -3,9 +3,20 @@ the CPU lists of --worker-cpus."""
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 
-from shared.openmp import SPINCOUNT, cpu_list, parse_cpus, share_cores, split_cpus
+from shared.openmp import (
+    IO_CPUS_ENV,
+    SPINCOUNT,
+    cpu_list,
+    move_to_io_cpus,
+    parse_cpus,
+    share_cores,
+    split_cpus,
+)
 
 
 def test_sets_the_spincount():
@@ -47,3 +58,18 @@ def test_the_split_gives_the_others_what_the_workers_leave():
         split_cpus("8-9", available=set(range(9)))
     with pytest.raises(ValueError, match="leaves no CPU for the other services"):
         split_cpus("0-1", available={0, 1})
+
+
+def test_a_split_workers_event_loop_moves_to_the_io_cpus():
+    assert move_to_io_cpus({}) is None
+    target = min(os.sched_getaffinity(0))
+    seen = {}
+
+    def event_loop_thread():  # a thread of its own: the test's threads keep their CPUs
+        seen["moved"] = move_to_io_cpus({IO_CPUS_ENV: str(target)})
+        seen["affinity"] = os.sched_getaffinity(0)
+
+    thread = threading.Thread(target=event_loop_thread)
+    thread.start()
+    thread.join()
+    assert seen == {"moved": {target}, "affinity": {target}}
