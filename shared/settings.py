@@ -112,9 +112,10 @@ class Settings(BaseSettings):
     )
     worker_cpus: str | None = Field(
         None,
-        description="launch on a CPU host: the CPUs the workers compute on (e.g. 0-5), as in "
-        "taskset -c; the gateway, schedulers and embedded Redis get the others, so they never "
-        "preempt a forward pass (default: every service shares every CPU)",
+        description="launch on a CPU host: the CPUs the workers' forward passes run on (e.g. "
+        "0-5), as in taskset -c; the gateway, schedulers, embedded Redis and the workers' "
+        "event loops get the others, so they never preempt a forward pass (default: every "
+        "service shares every CPU)",
     )
 
     @classmethod
