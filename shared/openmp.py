@@ -1,9 +1,10 @@
 """CPU placement of a worker's OpenMP threads (`textgen launch`, the bench's baselines).
 
 Two ways to live beside the control plane on a CPU host. Shared cores (the default): the
-spin-wait below. Split cores (`--worker-cpus`): the workers compute on their CPUs, the gateway,
-schedulers and Redis run on the others (`split_cpus`, `pin`), like vLLM's CPU backend, which
-binds its OpenMP threads and leaves cores to the serving process.
+spin-wait below. Split cores (`--worker-cpus`): the workers compute on their CPUs; the gateway,
+schedulers, Redis and the workers' event loops run on the others (`split_cpus`,
+`move_to_io_cpus`), like vLLM's CPU backend, which binds its OpenMP threads and leaves cores
+to the serving process.
 
 A forward pass's OpenMP threads meet at a barrier after every parallel op; a thread that
 arrives first spins (GNU libgomp: GOMP_SPINCOUNT iterations, 300,000 by default, a few
@@ -62,15 +63,6 @@ def split_cpus(worker_cpus: str, available: set[int] | None = None) -> tuple[set
     if not others:
         raise ValueError(f"--worker-cpus {worker_cpus} leaves no CPU for the other services")
     return workers, others
-
-
-def pin(pid: int, cpus: set[int]) -> None:
-    """Every thread of process `pid` onto `cpus` (threads it starts later inherit it)."""
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(task), cpus)
-        except ProcessLookupError:  # the thread ended meanwhile
-            pass
 
 
 def cpu_list(cpus: set[int]) -> str:

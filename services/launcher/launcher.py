@@ -126,11 +126,15 @@ class Launcher:
         if self.settings.api_key:
             env["API_KEY"] = self.settings.api_key
         is_worker = name.startswith("worker")
-        cpus = None if self.placement is None else self.placement[0 if is_worker else 1]
-        if is_worker and cpus is None and share_cores(env):
-            log.info("%s shares its cores: GOMP_SPINCOUNT=%s", name, env["GOMP_SPINCOUNT"])
-        if is_worker and self.placement is not None:  # its event loop goes to the others'
-            env[IO_CPUS_ENV] = cpu_list(self.placement[1])
+        if self.placement is None:
+            cpus = None
+            if is_worker and share_cores(env):
+                log.info("%s shares its cores: GOMP_SPINCOUNT=%s", name, env["GOMP_SPINCOUNT"])
+        else:
+            workers, others = self.placement
+            cpus = workers if is_worker else others
+            if is_worker:  # its event loop moves to the others' once its torch thread exists
+                env[IO_CPUS_ENV] = cpu_list(others)
         self.children[name] = subprocess.Popen(
             command, env=env, start_new_session=True, preexec_fn=_child_setup(cpus)
         )
