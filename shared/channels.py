@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCHEDULER_GROUP = "schedulers"  # consumer group of the request stream
+DEAD_LETTERS_MAXLEN = 10_000  # entries the dead-letters stream keeps (trimmed approximately)
 
 
 @dataclass(frozen=True)

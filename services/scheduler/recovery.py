@@ -17,12 +17,10 @@ import time
 import redis.asyncio as aioredis
 
 from shared.bus import FIELD, entry_message
-from shared.channels import SCHEDULER_GROUP, Channels
+from shared.channels import DEAD_LETTERS_MAXLEN, SCHEDULER_GROUP, Channels
 from shared.messages import SCHEMA_VERSION, GenerateRequest
 
 log = logging.getLogger(__name__)
-
-DEAD_LETTERS_MAXLEN = 10_000
 
 
 class Unreadable(ValueError):

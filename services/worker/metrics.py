@@ -60,13 +60,19 @@ class WorkerMetrics:
         )
         self.publish_duration = step_histogram(
             "textgen_worker_publish_duration_seconds",
-            "one step's token events and result to Redis (overlaps the next step's forward)",
+            "one step's token events and result written to Redis (on the torch thread, not "
+            "waiting for the reply)",
             r,
+        )
+        self.redis_error_replies = Counter(
+            "textgen_worker_redis_error_replies",
+            "writes Redis answered with an error (logged; the step went on)",
+            registry=r,
         )
         self.step_gap = Histogram(
             "textgen_worker_step_gap_seconds",
-            "torch thread idle between a step and the next one, when that plan was handed over "
-            "before the step ended (back to back: what the hand-over itself costs)",
+            "torch thread between a step and the next one, when that plan had arrived before the "
+            "step ended (back to back: sending the output and reading the plan)",
             buckets=GAP_BUCKETS,
             registry=r,
         )

@@ -1,10 +1,11 @@
 """The worker's Redis loop: announce capacity, execute step plans, stream tokens back.
 
-Reads StepPlans from {ns}:group:{g}:steps (a background reader keeps the next ones at hand),
-runs them on the ModelRunner (on the torch thread, so the heartbeat keeps beating during a long
-forward; the next plan is queued there before the current step ends, so forwards run back to
-back), and in one pipeline PUBLISHes one ReplyBatch per gateway and XADDs the StepResult to
-{ns}:group:{g}:results, while the next step computes.
+The torch thread does the per-step work: it reads StepPlans from {ns}:group:{g}:steps, runs
+them on the ModelRunner, and writes one PUBLISH of a ReplyBatch per gateway and the XADD of the
+StepResult to {ns}:group:{g}:results in one packet (services/worker/step_link.py: the next plan
+is already in the socket when a step ends, and no write waits for Redis's reply), then starts
+the next step. The event loop announces the group and beats; a long forward never delays a
+heartbeat, and no other thread takes the GIL while a step runs.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from services.worker.kv_cache import PagedKVCache, default_budget, plan_num_bloc
 from services.worker.loader import LoadedModel
 from services.worker.metrics import WorkerMetrics
 from services.worker.runner import ModelRunner, StepOutcome
+from services.worker.step_link import BLOCK_MS, STOPPING_BLOCK_MS, Command, StepLink, xadd
 from shared.bus import FIELD, REDIS_ERRORS, entry_message, stream_fields
-from shared.channels import Channels
+from shared.channels import DEAD_LETTERS_MAXLEN, Channels
 from shared.codec import encode
 from shared.messages import Heartbeat, ReplyBatch, StepPlan, WorkerReady
 from shared.settings import Settings
@@ -37,8 +39,6 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TTL_S = 5
 RESULTS_MAXLEN = 1000
-TRIM_EVERY = 64  # plans read between two trims of the steps stream (a round trip each)
-STEPS_HANDED_OVER = 2  # plans queued on the torch thread at once: the one computing, the next
 
 
 class WorkerService:
@@ -98,6 +98,7 @@ class WorkerService:
         # every forward on the thread that loaded the model: see services/worker/main.py
         self._forward_thread = torch_thread or ThreadPoolExecutor(1, thread_name_prefix="torch")
         self._last_step_end: float | None = None  # perf_counter, on the torch thread
+        self._is_cancelled = False  # the event loop gave up on the torch thread's loop
 
     def ready_message(self) -> WorkerReady:
         cache = self.runner.kv_cache
@@ -146,143 +147,109 @@ class WorkerService:
             log.info("stopping once idle (at most %.0f s)", self.settings.shutdown_grace)
 
     async def _step_loop(self) -> None:
-        """Execute plans until stopped. A plan is handed to the torch thread as soon as it
-        arrives, even while the step before it computes, so the thread starts it the moment
-        that step ends (without waiting for this loop, which is publishing); at most
-        STEPS_HANDED_OVER are handed over at once. Step N's events and result are published
-        while step N+1 computes (the scheduler sent N+1 before it hears of N). A Redis outage
-        pauses reading and publishing (retried with backoff; the heartbeat re-announces the
-        group once Redis is back), never ends the loop, and never runs a plan twice."""
-        plans: asyncio.Queue[StepPlan] = asyncio.Queue()
-        reader = asyncio.create_task(self._read_plans(plans), name="plan-reader")
-        computing: deque[tuple[int, asyncio.Future[StepOutcome]]] = deque()  # (step_id, step)
-        unpublished: StepOutcome | None = None
+        """Run `_drive` on the torch thread until it ends; cancelled, the thread ends after the
+        step it is on."""
+        drive = asyncio.get_running_loop().run_in_executor(self._forward_thread, self._drive)
+        try:
+            await asyncio.shield(drive)
+        finally:
+            self._is_cancelled = True
+
+    def _drive(self) -> None:
+        """The torch thread's loop: the next plan, its step, the step's output sent; again until
+        stopped. Its Redis work is done here, between two steps, and waits for nothing: the
+        next plan is already in the socket (the scheduler sent N+1 before it hears of N) and
+        the output is written without waiting for Redis's reply (services/worker/step_link.py).
+        So no other thread takes the GIL while a step runs, and the event loop only beats.
+        A Redis outage pauses reading and sending (retried with backoff; the heartbeat
+        re-announces the group once Redis is back), never ends the loop, and never runs a
+        plan twice."""
+        assert self.settings.redis_url, "services/worker/main.py requires --redis-url"
+        link = StepLink(
+            self.settings.redis_url,
+            self.channels.steps(self.group),
+            on_error_reply=self.metrics.redis_error_replies.inc,
+        )
+        plans: deque[StepPlan] = deque()
         try:
             while True:
-                if not computing:
-                    plan = await self._next_plan(plans)
-                    if plan is None:
-                        return
-                    computing.append(self._hand_over(plan, is_queued=False))
-                await self._hand_over_arrivals(plans, computing)
-                step_id, step = computing.popleft()
-                unpublished = await step
-                self.last_step_id = step_id
-                await self._publish_until_sent(unpublished)
-                unpublished = None
+                is_at_hand = bool(plans) or link.has_arrived()
+                if not self._next_plans(link, plans):
+                    return
+                plan = plans.popleft()
+                outcome = self._execute(plan, is_at_hand)
+                self.last_step_id = plan.step_id
+                self._send_until_sent(link, outcome)
         finally:
-            reader.cancel()
-            for _, step in computing:
-                step.cancel()  # one not started yet never runs
-            if unpublished is not None:
-                with contextlib.suppress(*REDIS_ERRORS):
-                    await self._publish(unpublished)
+            link.close()
 
-    def _hand_over(
-        self, plan: StepPlan, is_queued: bool = True
-    ) -> tuple[int, asyncio.Future[StepOutcome]]:
-        """Queue `plan` on the torch thread; `is_queued`: behind a step not done yet."""
-        loop = asyncio.get_running_loop()
-        step = loop.run_in_executor(self._forward_thread, self._execute, plan, is_queued)
-        return plan.step_id, step
-
-    async def _hand_over_arrivals(
-        self,
-        plans: asyncio.Queue[StepPlan],
-        computing: deque[tuple[int, asyncio.Future[StepOutcome]]],
-    ) -> None:
-        """Until the oldest step handed over is done: hand over each plan that arrives, while
-        fewer than STEPS_HANDED_OVER are."""
-        oldest = computing[0][1]
-        while len(computing) < STEPS_HANDED_OVER and not oldest.done() and not self._is_overdue():
-            if not plans.empty():
-                computing.append(self._hand_over(plans.get_nowait()))
-                continue
-            arrival = asyncio.ensure_future(plans.get())
+    def _next_plans(self, link: StepLink, plans: deque[StepPlan]) -> bool:
+        """Read until `plans` holds one; False once stopping is due (stopping, no request held
+        and no plan coming; or the grace period is over; or cancelled)."""
+        backoff = 0.25
+        while not self._is_cancelled and not self._is_overdue():
+            if plans:
+                return True
+            is_stopping = self.stop_at is not None
             try:
-                await asyncio.wait((oldest, arrival), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                has_arrived = arrival.done()
-                if not has_arrived:
-                    arrival.cancel()  # a cancelled get() takes nothing from the queue
-            if has_arrived:
-                computing.append(self._hand_over(arrival.result()))
+                entries = link.read(STOPPING_BLOCK_MS if is_stopping else BLOCK_MS)
+            except REDIS_ERRORS as exc:
+                log.warning("Redis unreachable (%s); retrying in %.2f s", exc, backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            backoff = 0.25
+            for entry_id, fields in entries:
+                try:
+                    plans.append(entry_message(fields, StepPlan))
+                except Exception as exc:  # a poisoned entry must not stop the worker
+                    self._dead_letter(link, entry_id, fields, exc)
+            if not entries and is_stopping and not self.runner.requests:
+                break
+        log.info("stopped with %d requests held", len(self.runner.requests))
+        return False
 
     def _is_overdue(self) -> bool:
         """Stopping, and the grace period is over: no more plans are executed."""
         return self.stop_at is not None and time.time() >= self.stop_at
 
-    async def _next_plan(self, plans: asyncio.Queue[StepPlan]) -> StepPlan | None:
-        """The next plan; None once stopping is due (no requests held and no plan waiting, or
-        the grace period is over)."""
-        while True:
-            timeout = 1.0 if self.stop_at is None else 0.25
-            try:
-                async with asyncio.timeout(timeout):
-                    plan = await plans.get()
-            except TimeoutError:
-                plan = None
-            is_idle = plan is None and not self.runner.requests
-            if (self.stop_at is not None and is_idle) or self._is_overdue():
-                log.info("stopped with %d requests held", len(self.runner.requests))
-                return None
-            if plan is not None:
-                return plan
-
-    async def _read_plans(self, plans: asyncio.Queue[StepPlan]) -> None:
-        """Background: every plan on the steps stream, in order, into `plans`."""
-        steps = self.channels.steps(self.group)
-        last_id = b"0-0"
-        num_untrimmed = 0  # plans read since the stream was last trimmed
+    def _send_until_sent(self, link: StepLink, outcome: StepOutcome) -> None:
+        """One PUBLISH per gateway, then the result, in one write; retried while Redis is
+        unreachable (dropped only when cancelled meanwhile)."""
+        commands: list[Command] = [
+            ("PUBLISH", reply_to, encode(ReplyBatch(events=events)))
+            for reply_to, events in outcome.events.items()
+        ]
+        results = self.channels.results(self.group)
+        commands.append(xadd(results, stream_fields(outcome.result), RESULTS_MAXLEN))
         backoff = 0.25
         while True:
+            started = time.perf_counter()
             try:
-                reply = await self.redis.xread({steps: last_id}, block=1000)
-                entries = [entry for _stream, found in reply or [] for entry in found]
-                for entry_id, fields in entries:
-                    last_id = entry_id
-                    try:
-                        plans.put_nowait(entry_message(fields, StepPlan))
-                    except Exception as exc:  # a poisoned entry must not stop the worker
-                        await self._dead_letter(steps, entry_id, fields, exc)
-                num_untrimmed += len(entries)
-                # every TRIM_EVERY plans, and once idle (an idle group leaves an empty stream)
-                if num_untrimmed >= TRIM_EVERY or (num_untrimmed and not entries):
-                    await self.redis.xtrim(steps, minid=last_id, approximate=True)
-                    num_untrimmed = 0
-                backoff = 0.25
+                link.send(commands)
             except REDIS_ERRORS as exc:
-                log.warning("Redis unreachable (%s); retrying in %.2f s", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-
-    async def _publish_until_sent(self, outcome: StepOutcome) -> None:
-        backoff = 0.25
-        while True:
-            try:
-                await self._publish(outcome)
-                return
-            except REDIS_ERRORS as exc:
+                if self._is_cancelled:
+                    log.warning("step %d not published: %s", outcome.result.step_id, exc)
+                    return
                 log.warning("could not publish a step (%s); retrying in %.2f s", exc, backoff)
-                await asyncio.sleep(backoff)
+                time.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+                continue
+            self.metrics.publish_duration.observe(time.perf_counter() - started)
+            return
 
-    async def _dead_letter(
-        self, source: str, entry_id: bytes, fields: dict, exc: Exception
-    ) -> None:
+    def _dead_letter(self, link: StepLink, entry_id: bytes, fields: dict, exc: Exception) -> None:
+        steps = self.channels.steps(self.group)
         reason = f"malformed StepPlan: {type(exc).__name__}: {exc}"
-        log.error("dead-lettering entry %s of %s: %s", entry_id, source, reason)
-        await self.redis.xadd(
-            self.channels.dead_letters,
-            {
-                b"source": source.encode(),
-                b"entry_id": entry_id,
-                b"reason": reason.encode(),
-                FIELD: fields.get(FIELD, b""),
-            },
-            maxlen=10_000,
-            approximate=True,
-        )
+        log.error("dead-lettering entry %s of %s: %s", entry_id, steps, reason)
+        letter = {
+            b"source": steps.encode(),
+            b"entry_id": entry_id,
+            b"reason": reason.encode(),
+            FIELD: fields.get(FIELD, b""),
+        }
+        with contextlib.suppress(*REDIS_ERRORS):  # lost with Redis: the error log stays
+            link.send([xadd(self.channels.dead_letters, letter, DEAD_LETTERS_MAXLEN)])
 
     def _execute(self, plan: StepPlan, is_queued: bool) -> StepOutcome:
         if is_queued and self._last_step_end is not None:
@@ -313,21 +280,6 @@ class WorkerService:
         )
         self._last_step_end = time.perf_counter()
         return outcome
-
-    async def _publish(self, outcome: StepOutcome) -> None:
-        """One PUBLISH per gateway, then the result, in one round trip."""
-        started = time.perf_counter()
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for reply_to, events in outcome.events.items():
-                pipe.publish(reply_to, encode(ReplyBatch(events=events)))
-            pipe.xadd(
-                self.channels.results(self.group),
-                stream_fields(outcome.result),
-                maxlen=RESULTS_MAXLEN,
-                approximate=True,
-            )
-            await pipe.execute()
-        self.metrics.publish_duration.observe(time.perf_counter() - started)
 
     async def _beat(self) -> None:
         """Heartbeat, and the group's announcement again: a restarted Redis gets it back."""

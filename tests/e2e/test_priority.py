@@ -67,22 +67,25 @@ def test_queue_wait_deadline_answers_503_and_the_request_never_runs(full_cluster
     full_cluster.wait_idle()
     before = full_cluster.stats()["g0"].num_finished
 
+    def block(client, priority: int) -> asyncio.Future:
+        parameters = {"max_new_tokens": 400, "priority": priority}
+        body = {"inputs": "the cat", "parameters": parameters}
+        return asyncio.ensure_future(client.post(f"{url}/generate", json=body))
+
     async def scenario():
         async with httpx.AsyncClient(timeout=120) as client:
-            blocker = asyncio.ensure_future(
-                client.post(
-                    f"{url}/generate",
-                    json={"inputs": "the cat", "parameters": {"max_new_tokens": 400}},
-                )
-            )
+            blockers = [block(client, 0)]
             await wait_running(full_cluster)
+            # a second one, more urgent than the impatient request, runs before it: the wait
+            # is two blockers long (each ~0.45 s here), whatever the host's speed
+            blockers.append(block(client, 1))
             started = time.monotonic()
             waited = await client.post(
                 f"{impatient}/generate",
                 json={"inputs": "the dog", "parameters": {"max_new_tokens": 3}},
             )
             elapsed = time.monotonic() - started
-            await blocker
+            await asyncio.gather(*blockers)
             return waited, elapsed
 
     waited, elapsed = asyncio.run(scenario())
@@ -90,4 +93,4 @@ def test_queue_wait_deadline_answers_503_and_the_request_never_runs(full_cluster
     assert waited.json()["error_type"] == "overloaded"
     assert 0.5 <= elapsed < 3
     stats = full_cluster.wait_idle()
-    assert stats["g0"].num_finished - before == 1  # the aborted request never ran
+    assert stats["g0"].num_finished - before == 2  # the blockers; the aborted one never ran

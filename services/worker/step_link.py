@@ -1,0 +1,137 @@
+"""The torch thread's own line to Redis: the next step plans in, each step's output out.
+
+The worker does a step's Redis work on the thread that computes it (services/worker/service.py)
+so that no other Python thread takes the GIL while a forward pass runs. Neither direction waits
+for Redis between two steps:
+
+- in: one XREAD BLOCK on the steps stream is always out, so the next plan lands in the socket
+  while the step before it computes and is only parsed when that step ends;
+- out: a step's PUBLISHes and XADD leave in one write; their replies are read later, those
+  already arrived before each write (an error reply is logged and counted).
+
+Two connections, since a connection blocked in XREAD runs nothing else. Plain redis-py
+connections (send a command now, read its reply later), with hiredis parsing where installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+
+import redis
+from redis.exceptions import ResponseError
+
+from shared.bus import REDIS_ERRORS, pairs_to_fields
+
+log = logging.getLogger(__name__)
+
+BLOCK_MS = 1000  # how long one XREAD waits for a plan; stopping is checked in between
+STOPPING_BLOCK_MS = 250  # the same once the worker is stopping (it ends at the first empty one)
+SOCKET_TIMEOUT_S = 10.0  # a Redis that stops answering (not closing) surfaces as TimeoutError
+MAX_UNANSWERED = 256  # commands sent and not yet answered before a write waits for replies
+TRIM_EVERY = 64  # plans read between two trims of the steps stream
+
+Command = Sequence[str | bytes | int]
+Entry = tuple[bytes, dict[bytes, bytes]]  # (entry id, fields)
+
+
+def xadd(stream: str, fields: dict[bytes, bytes], maxlen: int) -> Command:
+    """XADD `stream` MAXLEN ~ `maxlen` * `fields`, for `StepLink.send`."""
+    return (
+        "XADD",
+        stream,
+        "MAXLEN",
+        "~",
+        maxlen,
+        "*",
+        *(x for pair in fields.items() for x in pair),
+    )
+
+
+class StepLink:
+    """Plans in from `steps`, commands out, for one thread. Redis errors (REDIS_ERRORS in
+    shared.bus) propagate; the next call reconnects."""
+
+    def __init__(
+        self, url: str, steps: str, on_error_reply: Callable[[], object] | None = None
+    ) -> None:
+        pool = redis.ConnectionPool.from_url(
+            url, socket_connect_timeout=5, socket_timeout=SOCKET_TIMEOUT_S
+        )
+        self._reader = pool.make_connection()
+        self._sender = pool.make_connection()
+        self.steps = steps
+        self.last_id = b"0-0"  # the last entry read from `steps`
+        self._is_reading = False  # an XREAD is out on the reader, its reply not read yet
+        self._num_unanswered = 0  # commands sent on the sender whose replies are unread
+        self._num_untrimmed = 0  # entries read since the steps stream was last trimmed
+        self._on_error_reply = on_error_reply
+
+    def has_arrived(self) -> bool:
+        """Whether the reply to the XREAD that is out has arrived (reading it will not wait)."""
+        try:
+            return self._is_reading and self._reader.can_read(0)
+        except REDIS_ERRORS:  # read() meets the error again, and reconnects
+            return False
+
+    def read(self, block_ms: int = BLOCK_MS) -> list[Entry]:
+        """The entries after the last one read: those already there, else the first to arrive
+        within the XREAD's block time (an empty list when none did). The next XREAD is out
+        before this returns."""
+        try:
+            if not self._is_reading:
+                self._send_read(block_ms)
+            reply = self._reader.read_response()
+        except BaseException:
+            self._reader.disconnect()  # the XREAD out, if any, is abandoned with it
+            raise
+        finally:
+            self._is_reading = False
+        # RESP3 answers {stream: entries}, RESP2 [[stream, entries]]; None when none came
+        per_stream = reply.values() if isinstance(reply, dict) else [e for _, e in reply or []]
+        entries = [
+            (entry_id, pairs_to_fields(pairs)) for found in per_stream for entry_id, pairs in found
+        ]
+        if entries:
+            self.last_id = entries[-1][0]
+        self._num_untrimmed += len(entries)
+        with contextlib.suppress(*REDIS_ERRORS):  # the entries are read; the next call retries
+            self._send_read(block_ms)
+            # every TRIM_EVERY plans, and once idle (an idle group leaves an empty stream)
+            if self._num_untrimmed >= TRIM_EVERY or (self._num_untrimmed and not entries):
+                self.send([("XTRIM", self.steps, "MINID", "~", self.last_id)])
+                self._num_untrimmed = 0
+        return entries
+
+    def send(self, commands: list[Command]) -> None:
+        """Write `commands` in one packet; their replies are read by a later call."""
+        try:
+            self._drain()
+            self._sender.send_packed_command(self._sender.pack_commands(commands))
+        except BaseException:
+            self._num_unanswered = 0  # their replies went with the connection
+            self._sender.disconnect()
+            raise
+        self._num_unanswered += len(commands)
+
+    def close(self) -> None:
+        for connection in (self._reader, self._sender):
+            connection.disconnect()
+
+    def _send_read(self, block_ms: int) -> None:
+        self._reader.send_command("XREAD", "BLOCK", block_ms, "STREAMS", self.steps, self.last_id)
+        self._is_reading = True
+
+    def _drain(self) -> None:
+        """Read the replies that have arrived; past MAX_UNANSWERED, wait for them."""
+        while self._num_unanswered and (
+            self._num_unanswered >= MAX_UNANSWERED or self._sender.can_read(0)
+        ):
+            try:
+                self._sender.read_response()
+            except ResponseError as exc:
+                log.error("Redis refused a worker's write: %s", exc)
+                if self._on_error_reply is not None:
+                    self._on_error_reply()
+            self._num_unanswered -= 1

@@ -1,0 +1,124 @@
+"""The torch thread's Redis line on a real Redis: plans arrive while the caller is busy (an XREAD
+is always out), writes do not wait for replies, an error reply is counted, the steps stream is
+trimmed, and a dropped connection costs one error, not a plan."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from services.worker.step_link import TRIM_EVERY, StepLink, xadd
+from shared.bus import REDIS_ERRORS
+from tests.support.redis_server import redis_server
+
+
+@pytest.fixture
+def client(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def steps(namespace, client):
+    key = f"{namespace}:steps"
+    yield key
+    client.delete(key)
+
+
+def wait_until(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_the_next_plan_lands_while_the_caller_computes(redis_url, client, steps):
+    link = StepLink(redis_url, steps)
+    try:
+        assert link.read(block_ms=50) == []  # nothing yet; the next XREAD is now out
+        assert not link.has_arrived()
+        entry_id = client.xadd(steps, {b"m": b"plan 1"})
+        wait_until(link.has_arrived)  # in the socket without a call from the link
+        assert link.read() == [(entry_id, {b"m": b"plan 1"})]
+        ids = [client.xadd(steps, {b"m": f"plan {i}".encode()}) for i in (2, 3)]
+        wait_until(link.has_arrived)
+        read = []
+        while len(read) < 2:  # the XREAD out may have answered with plan 2 alone
+            read += link.read()
+        assert [entry_id for entry_id, _ in read] == ids
+        assert link.last_id == ids[-1]
+    finally:
+        link.close()
+
+
+def test_writes_leave_at_once_and_an_error_reply_is_counted(redis_url, client, namespace):
+    errors = []
+    link = StepLink(redis_url, f"{namespace}:steps", on_error_reply=lambda: errors.append(1))
+    stream, not_a_stream = f"{namespace}:results", f"{namespace}:string"
+    client.set(not_a_stream, b"x")
+    try:
+        link.send([xadd(stream, {b"m": b"1"}, 10), ("PUBLISH", f"{namespace}:ch", b"hi")])
+        link.send([xadd(not_a_stream, {b"m": b"2"}, 10)])  # WRONGTYPE, answered later
+        wait_until(lambda: client.xlen(stream) == 1)
+        time.sleep(0.05)  # the error reply arrives
+        link.send([xadd(stream, {b"m": b"3"}, 10)])  # reads the replies that arrived first
+        assert errors == [1]
+        wait_until(lambda: client.xlen(stream) == 2)
+        fields = [entry[1] for entry in client.xrange(stream)]
+        assert fields == [{b"m": b"1"}, {b"m": b"3"}]
+    finally:
+        link.close()
+        client.delete(stream, not_a_stream)
+
+
+def test_the_steps_stream_is_trimmed_to_what_was_read(redis_url, client, steps):
+    """XTRIM MINID ~ drops whole stream nodes (100 entries each by default): of 300 entries read,
+    at most the last node's stay."""
+    link = StepLink(redis_url, steps)
+    try:
+        for i in range(300):
+            client.xadd(steps, {b"m": str(i).encode()})
+        read = []
+        while len(read) < 300:
+            read += link.read(block_ms=50)
+        assert link.last_id == read[-1][0]
+        assert link.read(block_ms=50) == []  # an empty read trims too
+        wait_until(lambda: client.xlen(steps) <= 100)
+        assert client.xrange(steps, count=1)[0][0] > read[300 - 100 - TRIM_EVERY][0]
+    finally:
+        link.close()
+
+
+def test_a_dropped_connection_costs_one_error_and_no_plan(namespace):
+    """On a Redis of its own: it drops every client but its own."""
+    with redis_server() as url:
+        client = redis.Redis.from_url(url)
+        try:
+            drop_and_reconnect(url, client, f"{namespace}:steps")
+        finally:
+            client.close()
+
+
+def drop_and_reconnect(url: str, client: redis.Redis, steps: str) -> None:
+    link = StepLink(url, steps)
+    try:
+        first = client.xadd(steps, {b"m": b"1"})
+        assert [entry_id for entry_id, _ in link.read()] == [first]
+        link.send([("PING",)])  # the sender is connected too
+        client.client_kill_filter(_type="normal", skipme=True)  # every other client
+        second = client.xadd(steps, {b"m": b"2"})
+        with pytest.raises(REDIS_ERRORS):
+            link.read()
+        assert [entry_id for entry_id, _ in link.read()] == [second]  # reconnected, from `first`
+        with pytest.raises(REDIS_ERRORS):  # the sender's connection was dropped too
+            for _ in range(100):  # a write to a closed socket can succeed once
+                link.send([("PING",)])
+                time.sleep(0.01)
+        link.send([("PING",)])  # reconnected
+    finally:
+        link.close()
