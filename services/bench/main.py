@@ -15,7 +15,6 @@ bench starts on a free port."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import time
@@ -46,6 +45,7 @@ from services.bench.workload import (
     synthetic_workload,
     tokenizer_counter,
 )
+from shared import aio
 from shared.model_files import eos_token_ids, resolve_model_dir
 from shared.openmp import share_cores
 
@@ -211,7 +211,7 @@ def run_levels(served: Served, cases: list[Case], args: argparse.Namespace) -> l
     show = not args.no_progress
     url = served.url
     runs = []
-    asyncio.run(run_closed_loop(url, cases[:2], 2))  # warm-up, not reported
+    aio.run(run_closed_loop(url, cases[:2], 2))  # warm-up, not reported
     for level in _concurrency_levels(args):
         runs.append(closed_level(served, cases, level, f"c={level}", show))
     for rate in args.request_rate or []:
@@ -240,7 +240,7 @@ def _measured(served: Served, level: Coroutine[Any, Any, LevelRun]) -> LevelRun:
     used meanwhile."""
     before, started = cpu.snapshot(served.pid), time.perf_counter()
     with served.placement.client():
-        run = asyncio.run(level)
+        run = aio.run(level)  # uvloop: the load generator takes less of the server's CPU
     run.cpu_pct = cpu.percent_of_core(
         before, cpu.snapshot(served.pid), time.perf_counter() - started
     )
