@@ -56,8 +56,7 @@ def split_cpus(worker_cpus: str, available: set[int] | None = None) -> tuple[set
     available = os.sched_getaffinity(0) if available is None else available
     workers = parse_cpus(worker_cpus)
     if not workers <= available:
-        missing = ",".join(map(str, sorted(workers - available)))
-        usable = ",".join(map(str, sorted(available)))
+        missing, usable = cpu_list(workers - available), cpu_list(available)
         raise ValueError(f"--worker-cpus names CPU {missing}, not available here ({usable})")
     others = available - workers
     if not others:
@@ -77,10 +76,10 @@ def cpu_list(cpus: set[int]) -> str:
 
 
 def move_to_io_cpus(env: Mapping[str, str] = os.environ) -> set[int] | None:
-    """A split worker (`textgen launch --worker-cpus`): the calling thread, its event loop,
-    onto the control plane's CPUs, once its torch thread (and so OpenMP's pool) exists on the
-    workers'; publishing and reading plans then take no time from a forward pass. None when
-    the launcher did not split the CPUs."""
+    """A split worker (`textgen launch --worker-cpus`): the calling thread, its event loop
+    (heartbeats, the metrics endpoint), onto the control plane's CPUs, once its torch thread
+    (and so OpenMP's pool) exists on the workers'. None when the launcher did not split the
+    CPUs."""
     text = env.get(IO_CPUS_ENV)
     if not text:
         return None

@@ -251,8 +251,9 @@ class WorkerService:
         with contextlib.suppress(*REDIS_ERRORS):  # lost with Redis: the error log stays
             link.send([xadd(self.channels.dead_letters, letter, DEAD_LETTERS_MAXLEN)])
 
-    def _execute(self, plan: StepPlan, is_queued: bool) -> StepOutcome:
-        if is_queued and self._last_step_end is not None:
+    def _execute(self, plan: StepPlan, is_at_hand: bool) -> StepOutcome:
+        """Run `plan`; `is_at_hand`: it had arrived before the step before it ended."""
+        if is_at_hand and self._last_step_end is not None:
             self.metrics.step_gap.observe(time.perf_counter() - self._last_step_end)
         if self.on_plan is not None:
             self.on_plan(plan)
