@@ -79,8 +79,9 @@ class WorkerMetrics:
         self.attention = Gauge(
             "textgen_worker_attention_info",
             "1 for the path forward passes take: cpu-kernels (the fast CPU decoder), "
-            "flash-attn or sdpa (transformers' modules)",
-            ["kernel"],
+            "flash-attn or sdpa (transformers' modules); instruction_set: what the CPU kernels "
+            "were built for (avx512, avx2, default or native; empty without them)",
+            ["kernel", "instruction_set"],
             registry=r,
         )
         self.requests = Gauge("textgen_worker_requests", "requests held", registry=r)

@@ -89,7 +89,9 @@ class WorkerService:
             )
         else:
             self.runner = make_runner(loaded, cache, settings.speculate)
-        self.metrics.attention.labels(self.runner.attention).set(1)
+        decoder = getattr(self.runner, "decoder", None)
+        instruction_set = decoder.ops.level if decoder is not None else ""
+        self.metrics.attention.labels(self.runner.attention, instruction_set).set(1)
         self.last_step_id = 0
         self.started_at = time.time()  # identifies this worker's lifetime to its scheduler
         self._ready_bytes = encode(self.ready_message())

@@ -7,6 +7,7 @@ import asyncio
 import httpx
 import pytest
 
+from services.worker import kernels
 from tests.e2e.test_pipeline import prompt_text
 
 pytestmark = pytest.mark.integration
@@ -105,7 +106,8 @@ def test_metrics_of_all_three_services_follow_a_run(tiny_cluster):
     gaps = total(tiny_cluster, "worker", "textgen_worker_step_gap_seconds_count") - before_gaps
     assert 0 < gaps < forwards - before_forwards
     # the tiny Llama runs on the fast CPU decoder in both groups
-    kernel = 'textgen_worker_attention_info{kernel="cpu-kernels"}'
+    level = kernels.capability()
+    kernel = f'textgen_worker_attention_info{{kernel="cpu-kernels",instruction_set="{level}"}}'
     assert total(tiny_cluster, "worker", kernel) == 2
     assert total(tiny_cluster, "scheduler", "textgen_scheduler_kv_blocks_used") == 0
     assert total(tiny_cluster, "scheduler", "textgen_scheduler_running") == 0

@@ -3,9 +3,14 @@
 `load()` returns a `CpuKernels` whose methods take and fill torch tensors (float32 or
 bfloat16, contiguous as each method says), or None where no C compiler is found or the build
 fails: the worker then runs transformers' own modules. The library is built once per source,
-compiler and CPU into ~/.cache/textgen/kernels (`-march=native`: it is specific to this CPU)
-and reused by every later process; concurrent builders each write a private file and rename
-it into place.
+compiler, CPU and instruction set into ~/.cache/textgen/kernels and reused by every later
+process; concurrent builders each write a private file and rename it into place.
+
+Instruction set: the code is picked on the host that runs it, `-march=native` by default.
+`ATEN_CPU_CAPABILITY`, PyTorch's own override, caps it for our kernels too: `avx2` builds for
+x86-64-v3 (AVX2 and FMA, no AVX512) and `default` for x86-64-v2, so a host with AVX512 runs
+the AVX2 path of torch and of these kernels alike. A cap above what the CPU has changes
+nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
 SOURCES = ("cpu_kernels.c", "cpu_kernels.inc")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+CAPABILITY_ENV = "ATEN_CPU_CAPABILITY"  # PyTorch's name: one switch for torch and for us
+# x86-64 instruction sets, lowest first, and the -march that builds for each
+LEVELS = {"default": "x86-64-v2", "avx2": "x86-64-v3", "avx512": "native"}
 BUILD_TIMEOUT_S = 120
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the element types compiled
 KEY_TILE = 16  # keys the attention kernel scores at once: block sizes must be multiples
@@ -69,26 +77,53 @@ def _cpu_identity() -> str:
         return platform.processor()
 
 
-def _library_path(compiler: str) -> Path:
+def _native_level(identity: str) -> str:
+    """The highest of LEVELS this CPU has (its /proc/cpuinfo flags)."""
+    flags = set(identity.split())
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "default"
+
+
+def capability() -> str:
+    """The instruction set the kernels are built for: this CPU's best, capped by
+    ATEN_CPU_CAPABILITY (its avx512_* and amx values mean no cap; unknown values are
+    ignored). Always "native" off x86-64."""
+    if platform.machine() != "x86_64":
+        return "native"
+    native = _native_level(_cpu_identity())
+    requested = os.environ.get(CAPABILITY_ENV, "").strip().lower()
+    requested = "avx512" if requested.startswith(("avx512", "amx")) else requested
+    if requested not in LEVELS:
+        return native
+    order = list(LEVELS)
+    return order[min(order.index(requested), order.index(native))]
+
+
+def march(level: str) -> str:
+    return "-march=" + LEVELS.get(level, "native")
+
+
+def _library_path(compiler: str, level: str) -> Path:
     digest = hashlib.sha256()
     for name in SOURCES:
         digest.update((SOURCE_DIR / name).read_bytes())
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=30
     ).stdout
-    for part in (version, " ".join(FLAGS), _cpu_identity(), platform.machine()):
+    for part in (version, " ".join(FLAGS), march(level), _cpu_identity(), platform.machine()):
         digest.update(part.encode())
     return cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, level: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, private = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
     started = time.perf_counter()
     try:
         subprocess.run(
-            [compiler, *FLAGS, "-o", private, str(SOURCE_DIR / "cpu_kernels.c")],
+            [compiler, *FLAGS, march(level), "-o", private, str(SOURCE_DIR / "cpu_kernels.c")],
             check=True,
             capture_output=True,
             text=True,
@@ -98,7 +133,9 @@ def _build(compiler: str, target: Path) -> None:
     finally:
         if os.path.exists(private):
             os.unlink(private)
-    log.info("built CPU kernels in %.1f s: %s", time.perf_counter() - started, target)
+    log.info(
+        "built CPU kernels (%s) in %.1f s: %s", march(level), time.perf_counter() - started, target
+    )
 
 
 @functools.cache
@@ -111,11 +148,13 @@ def load() -> CpuKernels | None:
     if compiler is None:
         log.warning("CPU kernels: no C compiler (cc, gcc or $CC) found; using torch ops")
         return None
+    level = capability()
     try:
-        path = _library_path(compiler)
+        path = _library_path(compiler, level)
         if not path.exists():
-            _build(compiler, path)
-        return CpuKernels(ctypes.CDLL(str(path)))
+            _build(compiler, level, path)
+        log.info("CPU kernels: %s instruction set (%s)", level, march(level))
+        return CpuKernels(ctypes.CDLL(str(path)), level)
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or ""
         log.warning("CPU kernels unavailable (%s) %s; using torch ops", exc, detail[-2000:])
@@ -130,7 +169,8 @@ class CpuKernels:
     """Typed calls into the compiled library. Every tensor is on the CPU, contiguous, and of
     one element type (float32 or bfloat16) per call."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, level: str) -> None:
+        self.level = level  # the instruction set it was built for: a key of LEVELS, or native
         self._functions = {}
         for name, argtypes in _SIGNATURES.items():
             for dtype, suffix in SUFFIXES.items():

@@ -1,6 +1,8 @@
 /* CPU kernels of the fast decoder path (services/worker/fast_decoder.py), for float32 and
- * bfloat16 tensors. services/worker/kernels/build.py compiles this file on first use with
- * -O3 -march=native -fopenmp -ffp-contract=off and loads it with ctypes.
+ * bfloat16 tensors. services/worker/kernels/__init__.py compiles this file on first use with
+ * -O3 -fopenmp -ffp-contract=off and -march=native (or the x86-64 level that
+ * ATEN_CPU_CAPABILITY caps it to) and loads it with ctypes. Nothing here names an instruction
+ * set: the compiler vectorizes the loops for whichever it was given.
  *
  * The element-wise kernels round where transformers' modeling code rounds (every bfloat16
  * op computes in float32 and rounds its result), with no fused multiply-adds
