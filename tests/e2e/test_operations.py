@@ -107,7 +107,7 @@ def test_metrics_of_all_three_services_follow_a_run(tiny_cluster):
     assert 0 < gaps < forwards - before_forwards
     # the tiny Llama runs on the fast CPU decoder in both groups
     level = kernels.capability()
-    kernel = f'textgen_worker_attention_info{{kernel="cpu-kernels",instruction_set="{level}"}}'
+    kernel = f'textgen_worker_attention_info{{instruction_set="{level}",kernel="cpu-kernels"}}'
     assert total(tiny_cluster, "worker", kernel) == 2
     assert total(tiny_cluster, "scheduler", "textgen_scheduler_kv_blocks_used") == 0
     assert total(tiny_cluster, "scheduler", "textgen_scheduler_running") == 0
