@@ -53,6 +53,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     typical_p: float = 1.0  # locally typical sampling mass; 1.0 = off
     repetition_penalty: float = 1.0  # CTRL-style penalty on tokens already seen; 1.0 = off
     frequency_penalty: float = 0.0  # subtract count * value from logits of generated tokens
+    presence_penalty: float = 0.0  # subtract value from logits of every token seen (OpenAI's)
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit before picking (OpenAI's)
     seed: int = 0  # sampling seed; each token is drawn from (seed, token index)
     top_n_tokens: int = 0  # also return this many most likely alternatives per token
     watermark: bool = False  # bias toward a green list seeded by the previous token (Kirchenbauer)
@@ -67,6 +69,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             or self.watermark
             or self.repetition_penalty != 1.0
             or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.logit_bias
         )
 
 

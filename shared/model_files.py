@@ -42,10 +42,17 @@ def resolve_model_dir(
         )
     except Exception as exc:  # offline, unknown repo, gated, ...
         raise ModelNotFound(
-            f"cannot get {model_id} from the Hugging Face hub ({type(exc).__name__}: {exc}); "
-            "pass a local model folder instead"
+            f"cannot get {model_id} from the Hugging Face hub and it is not in the local cache "
+            f"({type(exc).__name__}: {first_line(exc)}); pass a local model folder instead "
+            "(--model-id /path/to/model, or MODEL_ID=/path/to/model make serve)"
         ) from exc
     return Path(folder)
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (huggingface_hub's run to several)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def read_json(folder: Path, name: str) -> dict[str, Any]:

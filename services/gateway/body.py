@@ -102,6 +102,12 @@ def describe_errors(exc: pydantic.ValidationError) -> str:
     return f"{prefix}{first['msg']} (got {json.dumps(first.get('input'), default=str)[:80]})"
 
 
+def top_field(exc: pydantic.ValidationError) -> str | None:
+    """The body field the first shape error is in (None for the body itself)."""
+    location = exc.errors()[0]["loc"]
+    return str(location[0]) if location else None
+
+
 def parse_body(raw: bytes, content_type: str | None, model: type[T]) -> T:
     """Decode a body already read; raise BodyError with TGI's status and text."""
     if not is_json_content_type(content_type):
@@ -114,7 +120,9 @@ def parse_body(raw: bytes, content_type: str | None, model: type[T]) -> T:
         return model.model_validate(data)
     except pydantic.ValidationError as exc:
         raise BodyError(
-            422, f"Failed to deserialize the JSON body into the target type: {describe_errors(exc)}"
+            422,
+            f"Failed to deserialize the JSON body into the target type: {describe_errors(exc)}",
+            param=top_field(exc),
         ) from exc
 
 

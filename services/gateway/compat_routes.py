@@ -50,12 +50,12 @@ async def read_object(request: Request, payload_limit: int) -> dict[str, Any] | 
 
 @router.post("/chat_tokenize")
 async def chat_tokenize(request: Request) -> Response:
-    """The chat template applied to `messages`, and its tokens (never behind --api-key)."""
+    """The chat template applied to `messages`, and its tokens (behind --api-key: it shows
+    the template, and TGI's open route let anyone tokenize without the key)."""
     state = gateway(request)
-    try:
-        body = await read_json(request, ChatBody, state.settings.payload_limit)
-    except BodyError as exc:
-        return exc.response()
+    body = await decode(state, request, ChatBody)
+    if isinstance(body, Response):
+        return body
     try:
         prompt = render_prompt(state, body)
         spans = state.tokenizer.spans(prompt, add_special_tokens=False)
@@ -98,10 +98,7 @@ async def vertex(request: Request) -> Response:
     if isinstance(body, Response):
         return body
     if not body.instances:
-        return JSONResponse(
-            {"error": "Input validation error", "error_type": "Input validation error"},
-            status_code=422,
-        )
+        return ValidationError("`instances` cannot be empty", param="instances").response()
     try:
         answers = await asyncio.gather(
             *(predict(state, request, instance, arrived_at) for instance in body.instances)

@@ -2,7 +2,8 @@
 
 Two families: `GatewayError` is TGI's JSON error (`{"error", "error_type"}`), used by every
 route and also sent as an in-stream SSE event; `BodyError` is a framework-level body rejection
-(415/400/422/413) whose body is plain text, exactly as TGI's axum extractors answer.
+(415/400/422/413) whose body is plain text, exactly as TGI's axum extractors answer. The
+OpenAI routes answer both in OpenAI's shape instead (openai_errors.py).
 """
 
 from __future__ import annotations
@@ -13,13 +14,21 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 class GatewayError(Exception):
     """A TGI-shaped error: HTTP status, human message and machine `error_type`."""
 
-    def __init__(self, status: int, message: str, error_type: str, metric_label: str = ""):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        error_type: str,
+        metric_label: str = "",
+        param: str | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.error_type = error_type
         # label of tgi_request_failure{err=...}; TGI's labels differ from error_type for some
         self.metric_label = metric_label or error_type
+        self.param = param  # the request field at fault (TGI's name), when one is
 
     def body(self) -> dict[str, str]:
         return {"error": self.message, "error_type": self.error_type}
@@ -31,8 +40,8 @@ class GatewayError(Exception):
 class ValidationError(GatewayError):
     """422 `Input validation error: ...`."""
 
-    def __init__(self, text: str):
-        super().__init__(422, f"Input validation error: {text}", "validation")
+    def __init__(self, text: str, param: str | None = None):
+        super().__init__(422, f"Input validation error: {text}", "validation", param=param)
 
 
 def overloaded() -> GatewayError:
@@ -67,10 +76,11 @@ def unhealthy() -> GatewayError:
 class BodyError(Exception):
     """A request body the framework rejects before any handler logic: plain-text answer."""
 
-    def __init__(self, status: int, text: str):
+    def __init__(self, status: int, text: str, param: str | None = None):
         super().__init__(text)
         self.status = status
         self.text = text
+        self.param = param  # the field at fault (dotted path), for a shape error
 
     def response(self) -> Response:
         return PlainTextResponse(self.text, status_code=self.status)

@@ -74,6 +74,22 @@ def timing_headers(finished: Finished, compute_type: str, num_characters: int) -
     }
 
 
+def summed_headers(
+    finished: list[Finished], compute_type: str, num_characters: int
+) -> dict[str, str]:
+    """/v1/completions non-stream headers: per-generation values summed, no x-compute-time."""
+    totals: dict[str, int] = {}
+    for one in finished:
+        for name, value in timing_headers(one, compute_type, 0).items():
+            if name not in ("x-compute-type", "x-compute-time", "x-compute-characters"):
+                totals[name] = totals.get(name, 0) + int(value)
+    return {
+        "x-compute-type": compute_type,
+        "x-compute-characters": str(num_characters),
+        **{name: str(value) for name, value in totals.items()},
+    }
+
+
 def mean_logprob(tokens: list[Token]) -> float:
     values = [t.logprob for t in tokens if t.logprob is not None]
     return sum(values) / len(values) if values else float("-inf")

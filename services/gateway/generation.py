@@ -71,6 +71,14 @@ class Finished:
     inference_s: float
     total_s: float
     prefill: list[Token] = field(default_factory=list)  # prompt tokens, if asked (no `special`)
+    stop_sequence: str | None = None  # the stop string that ended it (generated_text's end)
+
+    @property
+    def text_before_stop(self) -> str:
+        """generated_text without the stop string (OpenAI's contract; TGI keeps it)."""
+        if not self.stop_sequence:
+            return self.generated_text
+        return self.generated_text[: len(self.generated_text) - len(self.stop_sequence)]
 
 
 class DeadlineExceeded(GatewayError):
@@ -110,6 +118,7 @@ class Prepared:
     params: ValidatedParameters
     max_new_tokens: int
     arrived_at: float  # unix s the HTTP request arrived
+    response_id: str = ""  # the OpenAI answer it is a choice of ("" on TGI routes)
 
 
 def finite(value: float) -> float | None:
@@ -129,27 +138,28 @@ class _Decoder:
     def token(self, event: TokenEvent, position: int) -> Token:
         token_id = event.token_ids[position]
         self.num_tokens += 1
+        tops = event.top_tokens[position] if position < len(event.top_tokens) else []
+        top_tokens = [  # decoded where the chosen token is: one id, one text
+            Token(
+                0,
+                top.id,
+                self.detokenizer.peek(top.id),
+                finite(top.logprob),
+                self.tokenizer.is_special(top.id),
+            )
+            for top in tops
+        ]
         text = self.detokenizer.add(token_id)
         is_special = self.tokenizer.is_special(token_id)
         if not is_special and self.stop_end is None:
             self.stop_end = self.matcher.feed(text)
-        tops = event.top_tokens[position] if position < len(event.top_tokens) else []
         return Token(
             index=event.index + position if event.index else self.num_tokens,
             id=token_id,
             text=text,
             logprob=finite(event.logprobs[position]) if position < len(event.logprobs) else None,
             special=is_special,
-            top_tokens=[
-                Token(
-                    0,
-                    top.id,
-                    self.tokenizer.token_text(top.id),
-                    finite(top.logprob),
-                    self.tokenizer.is_special(top.id),
-                )
-                for top in tops
-            ],
+            top_tokens=top_tokens,
         )
 
     def flush(self) -> str:
@@ -161,6 +171,11 @@ class _Decoder:
     def generated_text(self) -> str:
         text = self.matcher.text
         return text if self.stop_end is None else text[: self.stop_end]
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string generated_text ends with, if one ended the generation."""
+        return None if self.stop_end is None else self.matcher.matched
 
 
 class Generator:
@@ -200,7 +215,11 @@ class Generator:
         request_id = uuid.uuid4().hex
         span = tracer(__name__).start_span(
             "gateway.generate",
-            attributes={"request_id": request_id, "num_input_tokens": len(prepared.input_ids)},
+            attributes={
+                "request_id": request_id,
+                "num_input_tokens": len(prepared.input_ids),
+                "response_id": prepared.response_id,
+            },
         )
         queue = self.router.register(request_id)
         outcome = "dropped"  # what happened, unless the loop below says otherwise
@@ -387,6 +406,7 @@ class Generator:
             inference_s=now - scheduled_at,
             total_s=now - prepared.arrived_at,
             prefill=prefill,
+            stop_sequence=decoder.stop_sequence,
         )
         self.metrics.request_succeeded(
             total_s=finished.total_s,

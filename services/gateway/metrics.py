@@ -59,6 +59,13 @@ class GatewayMetrics:
             "requests of this gateway waiting to be scheduled",
             registry=self.registry,
         )
+        self.openai_generations = Histogram(
+            "textgen_openai_generations",
+            "generations one OpenAI request runs: its prompts times max(n, best_of)",
+            ["route"],
+            buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
+            registry=self.registry,
+        )
         self.batch_current_size = Gauge(
             "tgi_batch_current_size",
             "requests of this gateway being generated",

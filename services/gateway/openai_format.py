@@ -1,39 +1,63 @@
-"""OpenAI-shaped JSON for chat completions and completions, as TGI answers them (pure).
+"""OpenAI-shaped JSON for chat completions and completions, as OpenAI's API reference gives
+them (pure).
 
-Shapes follow reference §9.2/§9.3 (chat) and §10 (completions): `id` is always "", one choice
-per chat request, `system_fingerprint` is `<version>-native`, stream errors claim 422.
+Every response and chunk carries the request's own `id` (`chatcmpl-…` or `cmpl-…`, the same
+in every chunk of one stream), `created`, `model` and `system_fingerprint`. Choices are indexed
+prompt by prompt, `n` per prompt. Chunks carry `usage: null` only when the client asked for
+the usage chunk (`stream_options.include_usage`), which then comes last with `choices: []`;
+otherwise no chunk has a `usage` key.
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.errors import GatewayError
-from services.gateway.formatting import timing_headers
 from services.gateway.generation import Finished, Token
 from services.gateway.openai_params import openai_finish_reason
 
 DONE = "data: [DONE]\n\n"
+NO_LOGPROB = -9999.0  # what OpenAI reports for a token the sampler had ruled out (-inf)
+
+
+def response_id(prefix: str) -> str:
+    """`chatcmpl-<32 hex>` or `cmpl-<32 hex>`: unique per request."""
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 @dataclass(frozen=True)
 class Envelope:
-    """The fields every response object repeats."""
+    """The fields every response object and chunk of one request repeats."""
 
+    id: str  # response_id(): the same across one stream
     model: str
     created: int  # unix seconds
     system_fingerprint: str
+    has_usage_chunk: bool = False  # stream_options.include_usage: chunks carry usage null
 
     def wrap(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
+            "id": self.id,
             "object": obj,
-            "id": "",
             "created": self.created,
             "model": self.model,
             "system_fingerprint": self.system_fingerprint,
             "choices": choices,
         }
+
+    def chunk(self, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
+        """A streamed chunk of one choice."""
+        chunk = self.wrap(obj, [choice])
+        if self.has_usage_chunk:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self, obj: str, usage: dict[str, int]) -> dict[str, Any]:
+        """The last chunk of stream_options.include_usage: no choices, the usage."""
+        chunk = self.wrap(obj, [])
+        chunk["usage"] = usage
+        return chunk
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
@@ -44,113 +68,134 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
     }
 
 
-def finished_usage(finished: Finished) -> dict[str, int]:
-    return usage(finished.num_input_tokens, finished.num_generated_tokens)
-
-
-def token_logprob(token: Token) -> dict[str, Any]:
-    return {
-        "token": token.text,
-        "logprob": token.logprob,
-        "top_logprobs": [{"token": top.text, "logprob": top.logprob} for top in token.top_tokens],
-    }
+def summed_usage(prompts: list[Finished], generations: list[Finished]) -> dict[str, int]:
+    """Each prompt's tokens once (one Finished per prompt), every generation's tokens."""
+    return usage(
+        sum(one.num_input_tokens for one in prompts),
+        sum(one.num_generated_tokens for one in generations),
+    )
 
 
 def visible_text(token: Token) -> str:
-    """A token's text in a stream delta: special tokens (EOS) show as ""."""
+    """A token's text as the answer shows it: special tokens (EOS) show as ""."""
     return "" if token.special else token.text
 
 
-def chat_completion(
-    envelope: Envelope, tokens: list[Token], finished: Finished, has_logprobs: bool
-) -> dict[str, Any]:
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": finished.generated_text},
-        "logprobs": {"content": [token_logprob(t) for t in tokens]} if has_logprobs else None,
+def reported(logprob: float | None) -> float:
+    return NO_LOGPROB if logprob is None else logprob
+
+
+# --- chat ------------------------------------------------------------------------------------
+
+
+def chat_token_logprob(token: Token) -> dict[str, Any]:
+    """One entry of a chat choice's `logprobs.content`."""
+    return {
+        "token": token.text,
+        "logprob": reported(token.logprob),
+        "bytes": list(token.text.encode()),
+        "top_logprobs": [
+            {"token": top.text, "logprob": reported(top.logprob), "bytes": list(top.text.encode())}
+            for top in token.top_tokens
+        ],
+    }
+
+
+def chat_logprobs(tokens: list[Token]) -> dict[str, Any]:
+    return {"content": [chat_token_logprob(token) for token in tokens]}
+
+
+def chat_choice(index: int, tokens: list[Token], finished: Finished, has_logprobs: bool) -> dict:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": finished.text_before_stop},
+        "logprobs": chat_logprobs(tokens) if has_logprobs else None,
         "finish_reason": openai_finish_reason(finished.finish_reason),
     }
-    answer = envelope.wrap("chat.completion", [choice])
-    answer["usage"] = finished_usage(finished)
+
+
+def chat_completion(
+    envelope: Envelope, choices: list[dict[str, Any]], usage: dict[str, int]
+) -> dict[str, Any]:
+    answer = envelope.wrap("chat.completion", choices)
+    answer["usage"] = usage
     return answer
 
 
 def chat_chunk(
-    envelope: Envelope, token: Token | None, finished: Finished | None, has_logprobs: bool
+    envelope: Envelope,
+    index: int,
+    delta: dict[str, Any],
+    tokens: list[Token] | None = None,
+    finished: Finished | None = None,
 ) -> dict[str, Any]:
-    """One token's chunk; `finished` on the last one. `token` None: a finish without a token."""
-    choice = {
-        "index": 0,
-        "delta": {"role": "assistant", "content": visible_text(token) if token else ""},
-        "logprobs": (
-            {"content": [token_logprob(token)]} if has_logprobs and token is not None else None
-        ),
-        "finish_reason": openai_finish_reason(finished.finish_reason) if finished else None,
-    }
-    chunk = envelope.wrap("chat.completion.chunk", [choice])
-    chunk["usage"] = None
-    return chunk
-
-
-def chat_usage_chunk(envelope: Envelope, finished: Finished) -> dict[str, Any]:
-    """The extra chunk of stream_options.include_usage: no choices, the usage."""
-    chunk = envelope.wrap("chat.completion.chunk", [])
-    chunk["usage"] = finished_usage(finished)
-    return chunk
-
-
-def completion(envelope: Envelope, results: list[tuple[list[Token], Finished]]) -> dict[str, Any]:
-    """Non-stream completions: one choice per prompt, usage summed over prompts."""
-    choices = [
+    """One choice's chunk: a delta, the logprobs of its tokens when asked (`tokens` not
+    None), the finish reason on the choice's last chunk."""
+    return envelope.chunk(
+        "chat.completion.chunk",
         {
             "index": index,
-            "text": finished.generated_text,
-            "logprobs": None,
-            "finish_reason": openai_finish_reason(finished.finish_reason),
-        }
-        for index, (_, finished) in enumerate(results)
-    ]
-    answer = envelope.wrap("text_completion", choices)
-    answer["usage"] = usage(
-        sum(finished.num_input_tokens for _, finished in results),
-        sum(finished.num_generated_tokens for _, finished in results),
+            "delta": delta,
+            "logprobs": None if tokens is None else chat_logprobs(tokens),
+            "finish_reason": openai_finish_reason(finished.finish_reason) if finished else None,
+        },
     )
+
+
+# --- completions -----------------------------------------------------------------------------
+
+
+def completion_logprobs(tokens: list[Token], text_offset: int) -> dict[str, Any]:
+    """The legacy `logprobs` object: each token, its logprob, its alternatives with it, and
+    where its text starts in the choice's text (from `text_offset`)."""
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(visible_text(token))
+    return {
+        "tokens": [token.text for token in tokens],
+        "token_logprobs": [reported(token.logprob) for token in tokens],
+        "top_logprobs": [
+            {
+                **{top.text: reported(top.logprob) for top in token.top_tokens},
+                token.text: reported(token.logprob),
+            }
+            for token in tokens
+        ],
+        "text_offset": offsets,
+    }
+
+
+def completion_choice(index: int, text: str, logprobs: dict | None, finished: Finished) -> dict:
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": openai_finish_reason(finished.finish_reason),
+    }
+
+
+def completion(
+    envelope: Envelope, choices: list[dict[str, Any]], usage: dict[str, int]
+) -> dict[str, Any]:
+    answer = envelope.wrap("text_completion", choices)
+    answer["usage"] = usage
     return answer
 
 
 def completion_chunk(
-    envelope: Envelope, index: int, text: str, finished: Finished | None
+    envelope: Envelope,
+    index: int,
+    text: str,
+    logprobs: dict[str, Any] | None = None,
+    finished: Finished | None = None,
 ) -> dict[str, Any]:
-    """A streamed completion chunk: finish_reason "" until the prompt's last chunk, which has
-    the raw (not renamed) finish_reason and that prompt's usage (quirks)."""
-    choice = {
-        "index": index,
-        "text": text,
-        "logprobs": None,
-        "finish_reason": finished.finish_reason.value if finished else "",
-    }
-    chunk = envelope.wrap("text_completion", [choice])
-    if finished is not None:
-        chunk["usage"] = finished_usage(finished)
-    return chunk
-
-
-def stream_error(exc: GatewayError) -> dict[str, Any]:
-    """In-stream error of the OpenAI routes: always 422, whatever the cause (TGI quirk)."""
-    return {"error": {"message": exc.message, "http_status_code": 422}}
-
-
-def summed_headers(
-    finished: list[Finished], compute_type: str, num_characters: int
-) -> dict[str, str]:
-    """/v1/completions non-stream headers: per-prompt values summed, no x-compute-time."""
-    totals: dict[str, int] = {}
-    for one in finished:
-        for name, value in timing_headers(one, compute_type, 0).items():
-            if name not in ("x-compute-type", "x-compute-time", "x-compute-characters"):
-                totals[name] = totals.get(name, 0) + int(value)
-    return {
-        "x-compute-type": compute_type,
-        "x-compute-characters": str(num_characters),
-        **{name: str(value) for name, value in totals.items()},
-    }
+    return envelope.chunk(
+        "text_completion",
+        {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": openai_finish_reason(finished.finish_reason) if finished else None,
+        },
+    )

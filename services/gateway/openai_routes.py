@@ -1,158 +1,181 @@
 """The OpenAI-compatible routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
 
-Each prompt is one TGI generation (`generation()` below): the same checks in the same order as
-/generate (gates, concurrency gate, validation, tokenization and length rules), then
-`Generator.stream`. Chat prompts come from the model's chat template and are tokenized without
-special tokens (the template has them); completion prompts get BOS like /generate. Template and
-tool errors are real 422s even when streaming; anything later in a stream is an in-stream
-`{"error": {...}}` event, and every stream ends with `data: [DONE]`.
+A request is admitted whole before any answer starts: its shape, the OpenAI rules (n, best_of,
+echo, logprobs, logit_bias), the chat template, TGI's parameter validation and length rules
+for each prompt, then one concurrency slot per generation, all or none. Whatever fails there
+is an HTTP error in OpenAI's shape (400, 401, 429, ...), streaming or not; only what happens
+during generation is reported inside a stream. Chat prompts come from the model's chat
+template and are tokenized without special tokens (the template has them); completion
+prompts get BOS like /generate.
 """
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
+import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Callable
 
+import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.gateway.auth import is_authorized
+from services.gateway.body import BodyError, read_json
 from services.gateway.chat_template import no_template
-from services.gateway.errors import GatewayError, ValidationError, incomplete_generation, overloaded
-from services.gateway.formatting import sse, timing_headers
-from services.gateway.generation import Finished, KeepAlive, Prepared, Token
+from services.gateway.errors import GatewayError
+from services.gateway.fanout import Item, collect, gather_or_fail
+from services.gateway.formatting import mean_logprob, summed_headers, timing_headers
+from services.gateway.generation import Finished, Prepared, Token
+from services.gateway.openai_errors import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    body_error_response,
+    gateway_error_response,
+    unauthorized_response,
+)
 from services.gateway.openai_format import (
-    DONE,
     Envelope,
-    chat_chunk,
+    chat_choice,
     chat_completion,
-    chat_usage_chunk,
     completion,
-    completion_chunk,
-    stream_error,
-    summed_headers,
-    visible_text,
+    completion_choice,
+    completion_logprobs,
+    response_id,
+    summed_usage,
 )
 from services.gateway.openai_params import (
+    Fanout,
+    OpenAISampling,
     chat_parameters,
     check_chat_request,
+    check_completion_request,
     completion_parameters,
+    openai_sampling,
 )
 from services.gateway.openai_schemas import ChatBody, CompletionBody
+from services.gateway.openai_streams import chat_events, completion_events
 from services.gateway.schemas import GenerateParameters
 from services.gateway.state import GatewayState
-from services.gateway.tgi_routes import KEEPALIVE_S, decode, gateway, prepare, until_disconnect
-from services.gateway.tokenizer import TokenizerError
-from services.gateway.validation import (
-    ValidatedParameters,
-    check_gates,
-    check_lengths,
-    validate_parameters,
-)
+from services.gateway.tgi_routes import KEEPALIVE_S, gateway, prepare, until_disconnect
+from services.gateway.validation import ValidatedParameters, validate_parameters
 
-T = TypeVar("T")
+log = logging.getLogger(__name__)
 SERVED_MODEL_ALIASES = (None, "tgi")  # `model` values that mean "the served model"
 router = APIRouter()
 
 
-def envelope(state: GatewayState, model: str | None, arrived_at: float) -> Envelope:
-    served = state.settings.model_id
-    return Envelope(
-        model=served if model in SERVED_MODEL_ALIASES else str(model),
-        created=int(arrived_at),
-        system_fingerprint=f"{state.version}-native",
-    )
+class EventStream(StreamingResponse):
+    """SSE whose `on_close` runs however the response ends: streamed to its end, cut by the
+    client, or never started (a client gone before the first byte)."""
 
+    def __init__(self, events: AsyncIterator[str], headers: dict[str, str], on_close: Callable):
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self.on_close = on_close
 
-def encode_chat_prompt(state: GatewayState, prompt: str) -> list[int]:
-    """Prompt ids WITHOUT added special tokens: the chat template already wrote BOS."""
-    return state.tokenizer.encode(prompt, add_special_tokens=False)
-
-
-async def prepare_chat(
-    state: GatewayState, prompt: str, params: ValidatedParameters, arrived_at: float
-) -> Prepared:
-    try:
-        if len(prompt) > 10_000:  # long prompts tokenize off the event loop
-            input_ids = await asyncio.to_thread(encode_chat_prompt, state, prompt)
-        else:
-            input_ids = encode_chat_prompt(state, prompt)
-    except TokenizerError as exc:
-        raise ValidationError(f"tokenizer error {exc}") from exc
-    max_new_tokens = check_lengths(len(input_ids), params.max_new_tokens, state.limits)
-    return Prepared(prompt, input_ids, params, max_new_tokens, arrived_at)
-
-
-async def generation(
-    state: GatewayState,
-    inputs: str,
-    params: GenerateParameters,
-    arrived_at: float,
-    *,
-    is_chat: bool,
-    is_stream: bool,
-) -> AsyncIterator[Token | Finished | KeepAlive]:
-    """One prompt through TGI's checks and the Generator; raises GatewayError (counted)."""
-    state.metrics.request_started()
-    try:
-        check_gates(params, state.limits, is_stream=is_stream)
-        if not state.admission.try_acquire(1):
-            raise overloaded()
+    async def __call__(self, scope, receive, send) -> None:
         try:
-            validated = validate_parameters(params, inputs, state.limits)
-            if is_chat:
-                prepared = await prepare_chat(state, inputs, validated, arrived_at)
-            else:
-                prepared = await prepare(state, inputs, validated, arrived_at)
-            keepalive_s = KEEPALIVE_S if is_stream else None
-            async for item in state.generator.stream(prepared, keepalive_s=keepalive_s):
-                yield item
+            await super().__call__(scope, receive, send)
         finally:
-            state.admission.release(1)
-    except GatewayError as exc:
-        state.metrics.request_failed(exc.metric_label)
-        raise
+            self.on_close()
 
 
-async def collect(
-    items: AsyncIterator[Token | Finished | KeepAlive],
-) -> tuple[list[Token], Finished]:
-    tokens: list[Token] = []
-    async for item in items:
-        if isinstance(item, Token):
-            tokens.append(item)
-        elif isinstance(item, Finished):
-            return tokens, item
-    raise incomplete_generation(is_stream=False)
-
-
-async def gather_or_fail(works: list[Awaitable[T]]) -> list[T]:
-    """All results in order; the first failure cancels the others and is raised."""
-    tasks = [asyncio.ensure_future(work) for work in works]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        failures = [t.exception() for t in tasks if t.done() and not t.cancelled()]
-        first = next((exc for exc in failures if exc is not None), None)
-        if first is not None:
-            raise first
-        return [task.result() for task in tasks]
-    finally:
-        pending = [task for task in tasks if not task.done()]
-        for task in pending:
-            task.cancel()
-        if pending:  # let them release their slots and send their aborts before answering
-            await asyncio.wait(pending)
-
-
-def event_stream(events: AsyncIterator[str], num_characters: int, state: GatewayState):
-    headers = {
+def stream_headers(state: GatewayState, num_characters: int) -> dict[str, str]:
+    return {
         "x-compute-type": state.compute_type,
         "x-compute-characters": str(num_characters),
         "X-Accel-Buffering": "no",
         "Cache-Control": "no-cache",
     }
-    return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+
+async def decode_openai(state: GatewayState, request: Request, model: type) -> object:
+    """The request body as `model`, or the OpenAI-shaped error response (401, 4xx)."""
+    if not is_authorized(state.settings.api_key, request.headers.get("authorization")):
+        return unauthorized_response()
+    try:
+        return await read_json(request, model, state.settings.payload_limit)
+    except BodyError as exc:
+        return body_error_response(exc)
+
+
+def envelope(
+    state: GatewayState, model: str | None, arrived_at: float, prefix: str, has_usage_chunk: bool
+) -> Envelope:
+    served = state.settings.model_id
+    return Envelope(
+        id=response_id(prefix),
+        model=served if model in SERVED_MODEL_ALIASES else str(model),
+        created=int(arrived_at),
+        system_fingerprint=f"{state.version}-native",
+        has_usage_chunk=has_usage_chunk,
+    )
+
+
+def with_openai_sampling(params: ValidatedParameters, extra: OpenAISampling) -> ValidatedParameters:
+    sampling = msgspec.structs.replace(
+        params.sampling, presence_penalty=extra.presence_penalty, logit_bias=extra.logit_bias
+    )
+    return dataclasses.replace(params, sampling=sampling)
+
+
+async def admit(
+    state: GatewayState,
+    prompts: list[str],
+    choice_params: list[GenerateParameters],
+    extra: OpenAISampling,
+    envelope: Envelope,
+    arrived_at: float,
+    *,
+    is_chat: bool,
+) -> list[list[Prepared]]:
+    """Every generation of the request, prompt by prompt, validated and tokenized (each prompt
+    once; a chat prompt without added special tokens: its template wrote them). Raises
+    GatewayError."""
+    groups = []
+    for prompt in prompts:
+        validated = [
+            with_openai_sampling(validate_parameters(params, prompt, state.limits), extra)
+            for params in choice_params
+        ]
+        prepared = await prepare(state, prompt, validated[0], arrived_at, not is_chat)
+        first = dataclasses.replace(prepared, response_id=envelope.id)
+        groups.append([first] + [dataclasses.replace(first, params=v) for v in validated[1:]])
+    return groups
+
+
+async def run(
+    state: GatewayState, prepared: Prepared, keepalive_s: float | None
+) -> AsyncIterator[Item]:
+    """One generation's items; a failure is counted, then raised."""
+    state.metrics.request_started()
+    try:
+        async for item in state.generator.stream(prepared, keepalive_s=keepalive_s):
+            yield item
+    except GatewayError as exc:
+        state.metrics.request_failed(exc.metric_label)
+        raise
+
+
+async def run_all(
+    state: GatewayState, request: Request, generations: list[Prepared]
+) -> list[tuple[list[Token], Finished]] | None:
+    """Every generation's tokens and end, in order; None when the client went away."""
+    return await until_disconnect(
+        request, gather_or_fail([collect(run(state, p, None)) for p in generations])
+    )
+
+
+def log_admitted(route: str, envelope: Envelope, fanout: Fanout, num: int, stream: bool) -> None:
+    log.debug(
+        "%s %s: %d generation(s), n=%d best_of=%d stream=%s",
+        route,
+        envelope.id,
+        num,
+        fanout.n,
+        fanout.best_of,
+        stream,
+    )
 
 
 # --- chat ------------------------------------------------------------------------------------
@@ -167,176 +190,123 @@ def render_prompt(state: GatewayState, body: ChatBody) -> str:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     arrived_at, state = time.time(), gateway(request)
-    body = await decode(state, request, ChatBody)
+    body = await decode_openai(state, request, ChatBody)
     if isinstance(body, Response):
         return body
-    return await answer_chat(state, request, body, arrived_at)
+    try:
+        return await answer_chat(state, request, body, arrived_at)  # type: ignore[arg-type]
+    except GatewayError as exc:
+        return gateway_error_response(exc, CHAT_FIELDS)
 
 
 async def answer_chat(
     state: GatewayState, request: Request, body: ChatBody, arrived_at: float
 ) -> Response:
-    """A decoded chat request's answer: JSON, or SSE when `stream` (also used by /vertex)."""
-    state.metrics.request_started()  # TGI counts a chat request twice (quirk)
+    """A decoded chat request's answer: JSON, or SSE when `stream` (also used by /vertex).
+    Raises GatewayError when it is not admitted."""
+    state.metrics.request_started()  # TGI counts a chat request, then its generation (quirk)
+    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    meta = envelope(state, body.model, arrived_at, "chatcmpl", include_usage)
     try:
-        check_chat_request(body)
+        fanout = check_chat_request(body)
         prompt = render_prompt(state, body)
+        extra = openai_sampling(body.presence_penalty, body.logit_bias, state.tokenizer.vocab_size)
+        params = fanout.choice_parameters(chat_parameters(body))
+        (generations,) = await admit(state, [prompt], params, extra, meta, arrived_at, is_chat=True)
+        held = state.admission.hold(len(generations))
     except GatewayError as exc:
         state.metrics.request_failed(exc.metric_label)
-        return exc.response()
-    params = chat_parameters(body)
-    meta = envelope(state, body.model, arrived_at)
-    has_logprobs = bool(body.logprobs)
+        raise
+    state.metrics.openai_generations.labels("chat").observe(len(generations))
+    log_admitted("chat", meta, fanout, len(generations), body.stream)
+    stop, has_logprobs = generations[0].params.stop, bool(body.logprobs)
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = chat_events(state, meta, prompt, params, arrived_at, has_logprobs, include_usage)
-        return event_stream(events, len(prompt), state)
-    items = generation(state, prompt, params, arrived_at, is_chat=True, is_stream=False)
+        streams = [run(state, p, KEEPALIVE_S) for p in generations]
+        events = chat_events(meta, streams, stop, has_logprobs, KEEPALIVE_S)
+        return EventStream(events, stream_headers(state, len(prompt)), held.release)
     try:
-        result = await until_disconnect(request, collect(items))
-    except GatewayError as exc:
-        return exc.response()
-    if result is None:  # the client went away; nobody reads this
+        results = await run_all(state, request, generations)
+    finally:
+        held.release()
+    if results is None:  # the client went away; nobody reads this
         return Response(status_code=499)
-    tokens, finished = result
-    return JSONResponse(
-        chat_completion(meta, tokens, finished, has_logprobs),
-        headers=timing_headers(finished, state.compute_type, len(prompt)),
+    choices = [
+        chat_choice(index, tokens, finished, has_logprobs)
+        for index, (tokens, finished) in enumerate(results)
+    ]
+    ended = [finished for _, finished in results]
+    headers = (
+        timing_headers(ended[0], state.compute_type, len(prompt))
+        if len(ended) == 1
+        else summed_headers(ended, state.compute_type, len(prompt))
     )
-
-
-async def chat_events(
-    state: GatewayState,
-    meta: Envelope,
-    prompt: str,
-    params: GenerateParameters,
-    arrived_at: float,
-    has_logprobs: bool,
-    include_usage: bool,
-) -> AsyncIterator[str]:
-    """One chunk per token (finish_reason on the last), the usage chunk if asked, [DONE]."""
-    is_closed = False  # a token chunk carried finish_reason
-    try:
-        items = generation(state, prompt, params, arrived_at, is_chat=True, is_stream=True)
-        async for item in items:
-            if isinstance(item, KeepAlive):
-                yield ":\n\n"
-            elif isinstance(item, Token):
-                is_closed = item.finished is not None
-                yield sse(chat_chunk(meta, item, item.finished, has_logprobs))
-            else:
-                if not is_closed:  # a finish without a token: close the choice anyway
-                    yield sse(chat_chunk(meta, None, item, has_logprobs))
-                if include_usage:
-                    yield sse(chat_usage_chunk(meta, item))
-    except GatewayError as exc:
-        yield sse(stream_error(exc))
-    yield DONE
+    answer = chat_completion(meta, choices, summed_usage(ended[:1], ended))
+    return JSONResponse(answer, headers=headers)
 
 
 # --- completions -----------------------------------------------------------------------------
 
 
-def check_completion_request(state: GatewayState, body: CompletionBody) -> None:
-    if body.suffix is not None:
-        raise GatewayError(
-            422,
-            "Suffix is not supported and can be achieved by preprocessing the prompt.",
-            "suffix not supported",
-            "validation",
-        )
-    limit = state.settings.max_client_batch_size
-    if len(body.prompts) > limit:
-        raise GatewayError(
-            422,
-            f"Number of prompts exceeds the maximum allowed batch size of {limit}",
-            "batch size exceeded",
-            "validation",
-        )
-
-
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     arrived_at, state = time.time(), gateway(request)
-    body = await decode(state, request, CompletionBody)
+    body = await decode_openai(state, request, CompletionBody)
     if isinstance(body, Response):
         return body
-    state.metrics.request_started()  # TGI counts the request, then each prompt (quirk)
     try:
-        check_completion_request(state, body)
+        return await answer_completions(state, request, body, arrived_at)  # type: ignore[arg-type]
+    except GatewayError as exc:
+        return gateway_error_response(exc, COMPLETION_FIELDS)
+
+
+async def answer_completions(
+    state: GatewayState, request: Request, body: CompletionBody, arrived_at: float
+) -> Response:
+    state.metrics.request_started()  # TGI counts the request, then each generation (quirk)
+    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    meta = envelope(state, None, arrived_at, "cmpl", include_usage)  # always the served id
+    prompts = body.prompts
+    try:
+        fanout = check_completion_request(body, state.settings.max_client_batch_size)
+        extra = openai_sampling(body.presence_penalty, body.logit_bias, state.tokenizer.vocab_size)
+        params = fanout.choice_parameters(completion_parameters(body))
+        groups = await admit(state, prompts, params, extra, meta, arrived_at, is_chat=False)
+        generations = [prepared for group in groups for prepared in group]
+        held = state.admission.hold(len(generations))
     except GatewayError as exc:
         state.metrics.request_failed(exc.metric_label)
-        return exc.response()
-    prompts, params = body.prompts, completion_parameters(body)
-    meta = envelope(state, None, arrived_at)  # completions always answer the served id
+        raise
+    state.metrics.openai_generations.labels("completions").observe(len(generations))
+    log_admitted("completions", meta, fanout, len(generations), body.stream)
     num_characters = sum(len(prompt) for prompt in prompts)
+    stop = generations[0].params.stop
     if body.stream:
-        events = completion_events(state, meta, prompts, params, arrived_at)
-        return event_stream(events, num_characters, state)
-    runs = [
-        collect(generation(state, prompt, params, arrived_at, is_chat=False, is_stream=False))
-        for prompt in prompts
-    ]
+        streams = [run(state, p, KEEPALIVE_S) for p in generations]
+        events = completion_events(
+            meta, streams, prompts, stop, body.logprobs, body.echo, KEEPALIVE_S
+        )
+        return EventStream(events, stream_headers(state, num_characters), held.release)
     try:
-        results = await until_disconnect(request, gather_or_fail(runs))
-    except GatewayError as exc:
-        return exc.response()
+        results = await run_all(state, request, generations)
+    finally:
+        held.release()
     if results is None:
         return Response(status_code=499)
-    headers = summed_headers([f for _, f in results], state.compute_type, num_characters)
-    return JSONResponse(completion(meta, results), headers=headers)
-
-
-_END = object()  # a prompt's generation is over
-
-
-async def completion_events(
-    state: GatewayState,
-    meta: Envelope,
-    prompts: list[str],
-    params: GenerateParameters,
-    arrived_at: float,
-) -> AsyncIterator[str]:
-    """Chunks of all prompts, interleaved as they come; the first failure ends the stream."""
-    queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
-
-    async def run(index: int, prompt: str) -> None:
-        try:
-            items = generation(state, prompt, params, arrived_at, is_chat=False, is_stream=True)
-            async for item in items:
-                if not isinstance(item, KeepAlive):
-                    queue.put_nowait((index, item))
-        except Exception as exc:
-            queue.put_nowait((index, exc))
-        queue.put_nowait((index, _END))
-
-    tasks = [asyncio.ensure_future(run(i, prompt)) for i, prompt in enumerate(prompts)]
-    num_running, closed = len(tasks), set()
-    try:
-        while num_running:
-            try:
-                index, item = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
-            except TimeoutError:
-                yield ":\n\n"
-                continue
-            if item is _END:
-                num_running -= 1
-            elif isinstance(item, GatewayError):
-                yield sse(stream_error(item))
-                break
-            elif isinstance(item, Exception):
-                raise item
-            elif isinstance(item, Token):
-                if item.finished is not None:
-                    closed.add(index)
-                yield sse(completion_chunk(meta, index, visible_text(item), item.finished))
-            elif isinstance(item, Finished) and index not in closed:
-                yield sse(completion_chunk(meta, index, "", item))
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.wait(tasks)  # their slots are released and aborts sent
-    yield DONE
+    choices = []
+    for prompt_index, prompt in enumerate(prompts):
+        candidates = results[prompt_index * fanout.best_of : (prompt_index + 1) * fanout.best_of]
+        if fanout.best_of > fanout.n:  # the n best mean logprobs, best first
+            candidates = sorted(candidates, key=lambda c: mean_logprob(c[0]), reverse=True)
+        for number, (tokens, finished) in enumerate(candidates[: fanout.n]):
+            prefix = prompt if body.echo else ""
+            logprobs = None if body.logprobs is None else completion_logprobs(tokens, len(prefix))
+            text = prefix + finished.text_before_stop
+            index = prompt_index * fanout.n + number
+            choices.append(completion_choice(index, text, logprobs, finished))
+    ended = [finished for _, finished in results]
+    firsts = ended[:: fanout.best_of]  # each prompt once
+    headers = summed_headers(ended, state.compute_type, num_characters)
+    return JSONResponse(completion(meta, choices, summed_usage(firsts, ended)), headers=headers)
 
 
 # --- models ----------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible routes (/v1/chat/completions, /v1/completions), as
 pydantic models that reject what TGI's serde rejects (reference §9.1, §10).
 
-Only the shape is checked here (a wrong shape is a plain-text 422 from body.py); value rules are
-TGI's validation, applied after the mapping in openai_params.py. Unknown fields are ignored.
+Only the shape is checked here (a wrong shape is a 400 from body.py, in OpenAI's error shape);
+value rules are in openai_params.py and TGI's validation, applied after the mapping. Unknown
+fields are ignored.
 """
 
 from __future__ import annotations
@@ -78,7 +79,12 @@ class Message(BaseModel):
 class StreamOptions(BaseModel):
     model_config = STRICT
 
-    include_usage: bool = False
+    include_usage: bool = False  # one last chunk with the usage and no choices
+
+
+# OpenAI's map of token ids (as JSON object keys) to biases in [-100, 100]; TGI typed it as a
+# list of floats, which is accepted when empty and refused otherwise (openai_params.py)
+LogitBias = dict[str, float] | list[float]
 
 
 def _reject_null(value: Any) -> Any:
@@ -107,7 +113,7 @@ class ChatBody(BaseModel):
     logprobs: bool | None = None
     top_logprobs: UInt32 | None = None
     n: UInt32 | None = None
-    logit_bias: list[float] | None = None  # TGI types it as a list (an OpenAI map is rejected)
+    logit_bias: LogitBias | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -118,7 +124,7 @@ class ChatBody(BaseModel):
 
 
 class CompletionBody(BaseModel):
-    """Body of POST /v1/completions. `echo`, `logprobs`, `n` and `best_of` are ignored."""
+    """Body of POST /v1/completions."""
 
     model_config = STRICT
 
@@ -129,10 +135,20 @@ class CompletionBody(BaseModel):
     top_p: float | None = None
     seed: UInt64 | None = None
     stop: str | list[str] | None = None
-    repetition_penalty: float | None = None
+    repetition_penalty: float | None = None  # TGI's extension, its native meaning
     frequency_penalty: float | None = None
+    presence_penalty: float | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     suffix: str | None = None
+    n: UInt32 | None = None  # completions per prompt
+    best_of: UInt32 | None = None  # candidates per prompt, of which the n best are returned
+    logprobs: UInt32 | None = None  # the chosen token's logprob and this many alternatives
+    echo: bool = False  # the prompt leads each completion's text
+    logit_bias: LogitBias | None = None
+    user: str | None = None
+
+    _no_null_stream_options = field_validator("stream_options", mode="before")(_reject_null)
 
     @property
     def prompts(self) -> list[str]:

@@ -19,8 +19,10 @@ import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.gateway.auth import is_authorized
 from services.gateway.body import read_json
 from services.gateway.errors import BodyError, GatewayError, ValidationError, overloaded
+from services.gateway.fanout import collect
 from services.gateway.formatting import (
     mean_logprob,
     sequence_details,
@@ -51,38 +53,30 @@ def gateway(request: Request) -> GatewayState:
 
 
 def unauthorized(state: GatewayState, request: Request) -> Response | None:
-    """401 (empty body) when --api-key is set and the Bearer token differs (case-insensitive)."""
-    if not state.settings.api_key:
+    """401 (empty body, as TGI) when --api-key is set and the request does not carry it."""
+    if is_authorized(state.settings.api_key, request.headers.get("authorization")):
         return None
-    given = request.headers.get("authorization", "")
-    if given.lower() == f"bearer {state.settings.api_key}".lower():
-        return None
-    return Response(status_code=401)
+    return Response(status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
 async def prepare(
-    state: GatewayState, inputs: str, params: ValidatedParameters, arrived_at: float
+    state: GatewayState,
+    inputs: str,
+    params: ValidatedParameters,
+    arrived_at: float,
+    add_special_tokens: bool = True,
 ) -> Prepared:
-    """Tokenize (BOS added, left truncation) and apply the length rules."""
+    """Tokenize (BOS added unless told not to, left truncation) and apply the length rules."""
+    encode, truncate = state.tokenizer.encode, params.truncate
     try:
         if len(inputs) > 10_000:  # long prompts tokenize off the event loop
-            input_ids = await asyncio.to_thread(state.tokenizer.encode, inputs, params.truncate)
+            input_ids = await asyncio.to_thread(encode, inputs, truncate, add_special_tokens)
         else:
-            input_ids = state.tokenizer.encode(inputs, params.truncate)
+            input_ids = encode(inputs, truncate, add_special_tokens)
     except TokenizerError as exc:
-        raise ValidationError(f"tokenizer error {exc}") from exc
+        raise ValidationError(f"tokenizer error {exc}", param="inputs") from exc
     max_new_tokens = check_lengths(len(input_ids), params.max_new_tokens, state.limits)
     return Prepared(inputs, input_ids, params, max_new_tokens, arrived_at)
-
-
-async def collect(state: GatewayState, prepared: Prepared) -> tuple[list[Token], Finished]:
-    tokens: list[Token] = []
-    async for item in state.generator.stream(prepared):
-        if isinstance(item, Token):
-            tokens.append(item)
-        elif isinstance(item, Finished):
-            return tokens, item
-    raise GatewayError(500, "Incomplete generation", "incomplete_generation", "incomplete")
 
 
 def with_new_seed(params: ValidatedParameters) -> ValidatedParameters:
@@ -133,7 +127,7 @@ async def run_generate(
                 for _ in range(best_of - 1)
             ]
             results = await until_disconnect(
-                request, asyncio.gather(*(collect(state, run) for run in runs))
+                request, asyncio.gather(*(collect(state.generator.stream(run)) for run in runs))
             )
         finally:
             state.admission.release(best_of)

@@ -91,6 +91,11 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to vocab_size - 1 (added tokens included)."""
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_ids
 
@@ -117,13 +122,23 @@ class IncrementalDetokenizer:
         self.read_offset = len(context)
 
     def add(self, token_id: int) -> str:
+        text = self.peek(token_id)
+        if not self.tokenizer.is_special(token_id):
+            self.ids.append(token_id)
+            if text:
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text
+
+    def peek(self, token_id: int) -> str:
+        """The text `add(token_id)` would return now, without adding it: the text of an
+        alternative token at this position (top tokens), decoded in the same context as the
+        token chosen there, so one id has one text (a leading space included)."""
         if self.tokenizer.is_special(token_id):
             return self.tokenizer.special_text[token_id]
-        self.ids.append(token_id)
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
-        new_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        window = self.ids[self.prefix_offset :]
+        prefix_text = self.tokenizer.decode(window[: self.read_offset - self.prefix_offset])
+        new_text = self.tokenizer.decode([*window, token_id])
         if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT):
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             return new_text[len(prefix_text) :]
         return ""
 

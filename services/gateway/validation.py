@@ -54,19 +54,25 @@ def check_gates(params: GenerateParameters, limits: Limits, is_stream: bool) -> 
     """The checks TGI runs before the concurrency gate; returns best_of (0 counts as 1)."""
     if is_stream:
         if params.best_of is not None and params.best_of != 1:
-            raise ValidationError("`best_of` != 1 is not supported when streaming tokens")
+            raise ValidationError(
+                "`best_of` != 1 is not supported when streaming tokens", param="best_of"
+            )
         if params.decoder_input_details:
             raise ValidationError(
-                "`decoder_input_details` == true is not supported when streaming tokens"
+                "`decoder_input_details` == true is not supported when streaming tokens",
+                param="decoder_input_details",
             )
         return 1
     best_of = params.best_of or 1
     if best_of > 1:
         if limits.max_best_of == 1:
-            raise ValidationError("`best_of` != 1 is not allowed for this endpoint")
+            raise ValidationError(
+                "`best_of` != 1 is not allowed for this endpoint", param="best_of"
+            )
         if best_of > limits.max_best_of:
             raise ValidationError(
-                f"`best_of` must be > 0 and <= {limits.max_best_of}. Given: {best_of}"
+                f"`best_of` must be > 0 and <= {limits.max_best_of}. Given: {best_of}",
+                param="best_of",
             )
     return best_of
 
@@ -88,55 +94,63 @@ def validate_parameters(
     best_of = params.best_of or 1
     sampling = is_sampling(params)
     if best_of > 1 and not sampling:
-        raise ValidationError("you must use sampling when `best_of` is > 1")
+        raise ValidationError("you must use sampling when `best_of` is > 1", param="best_of")
     temperature = 1.0 if params.temperature is None else params.temperature
     if temperature <= 0.0:
-        raise ValidationError("`temperature` must be strictly positive")
+        raise ValidationError("`temperature` must be strictly positive", param="temperature")
     repetition_penalty = 1.0 if params.repetition_penalty is None else params.repetition_penalty
     if repetition_penalty <= 0.0:
-        raise ValidationError("`repetition_penalty` must be strictly positive")
+        raise ValidationError(
+            "`repetition_penalty` must be strictly positive", param="repetition_penalty"
+        )
     frequency_penalty = 0.0 if params.frequency_penalty is None else params.frequency_penalty
     if not -2.0 <= frequency_penalty <= 2.0:
-        raise ValidationError("`frequency_penalty` must be >= -2.0 and <= 2.0")
+        raise ValidationError(
+            "`frequency_penalty` must be >= -2.0 and <= 2.0", param="frequency_penalty"
+        )
     top_p = 1.0 if params.top_p is None else params.top_p
     if params.top_p is not None and not 0.0 < top_p < 1.0:
-        raise ValidationError("`top_p` must be > 0.0 and < 1.0")
+        raise ValidationError("`top_p` must be > 0.0 and < 1.0", param="top_p")
     typical_p = 1.0 if params.typical_p is None else params.typical_p
     if params.typical_p is not None and not 0.0 < typical_p < 1.0:
-        raise ValidationError("`typical_p` must be > 0.0 and < 1.0")
+        raise ValidationError("`typical_p` must be > 0.0 and < 1.0", param="typical_p")
     top_k = 0 if params.top_k is None else params.top_k
     if params.top_k is not None and top_k <= 0:
-        raise ValidationError("`top_k` must be strictly positive")
+        raise ValidationError("`top_k` must be strictly positive", param="top_k")
     if params.max_new_tokens == 0:
-        raise ValidationError("`max_new_tokens` must be strictly positive")
+        raise ValidationError("`max_new_tokens` must be strictly positive", param="max_new_tokens")
     if len(params.stop) > limits.max_stop_sequences:
         raise ValidationError(
             f"`stop` supports up to {limits.max_stop_sequences} stop sequences. "
-            f"Given: {len(params.stop)}"
+            f"Given: {len(params.stop)}",
+            param="stop",
         )
     if params.seed is None:
         seed = (rng or random.SystemRandom()).randint(0, MAX_SEED)
     elif best_of > 1:
-        raise ValidationError("`seed` must not be set when `best_of` > 1")
+        raise ValidationError("`seed` must not be set when `best_of` > 1", param="seed")
     else:
         seed = params.seed
     top_n_tokens = params.top_n_tokens or 0
     if top_n_tokens > limits.max_top_n_tokens:
         raise ValidationError(
-            f"`top_n_tokens` must be >= 0 and <= {limits.max_top_n_tokens}. Given: {top_n_tokens}"
+            f"`top_n_tokens` must be >= 0 and <= {limits.max_top_n_tokens}. Given: {top_n_tokens}",
+            param="top_n_tokens",
         )
     if not inputs:
-        raise ValidationError("`inputs` cannot be empty")
+        raise ValidationError("`inputs` cannot be empty", param="inputs")
     if params.truncate is not None and not 0 < params.truncate <= limits.max_input_tokens:
         raise ValidationError(
             f"`truncate` must be strictly positive and less than {limits.max_input_tokens}. "
-            f"Given: {params.truncate}"
+            f"Given: {params.truncate}",
+            param="truncate",
         )
     if params.grammar is not None:
-        raise ValidationError("grammar is not supported")
+        raise ValidationError("grammar is not supported", param="grammar")
     if params.adapter_id is not None:
         raise ValidationError(
-            f"adapter_id {params.adapter_id!r} is not supported: this server loads no adapters"
+            f"adapter_id {params.adapter_id!r} is not supported: this server loads no adapters",
+            param="adapter_id",
         )
     return ValidatedParameters(
         sampling=SamplingParams(
@@ -176,7 +190,8 @@ def check_lengths(num_input_tokens: int, max_new_tokens: int | None, limits: Lim
     if num_input_tokens > limits.max_input_tokens:
         raise ValidationError(
             f"`inputs` must have less than {limits.max_input_tokens} tokens. "
-            f"Given: {num_input_tokens}"
+            f"Given: {num_input_tokens}",
+            param="inputs",
         )
     if max_new_tokens is None:
         max_new_tokens = limits.max_total_tokens - num_input_tokens
@@ -184,6 +199,7 @@ def check_lengths(num_input_tokens: int, max_new_tokens: int | None, limits: Lim
         raise ValidationError(
             f"`inputs` tokens + `max_new_tokens` must be <= {limits.max_total_tokens}. "
             f"Given: {num_input_tokens} `inputs` tokens and "
-            f"{min(max_new_tokens, CHUNK_NEW_TOKENS)} `max_new_tokens`"
+            f"{min(max_new_tokens, CHUNK_NEW_TOKENS)} `max_new_tokens`",
+            param="inputs",
         )
     return max_new_tokens

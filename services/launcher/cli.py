@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shared.model_files import ModelNotFound
 from shared.settings import add_settings_flags, describe_invalid, settings_from_args
 from shared.telemetry import setup_logging
 
@@ -62,14 +63,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"textgen {args.command}: invalid settings: {describe_invalid(exc)}", file=sys.stderr)
         return 2
     setup_logging(args.command, settings.log_level, settings.json_output)
-    if args.command == "launch":
+    try:
+        return run_command(args.command, settings, argv[1:])
+    except ModelNotFound as exc:  # a user's mistake or no network: one line, no traceback
+        print(f"textgen {args.command}: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+def run_command(command: str, settings, args: list[str]) -> int:
+    if command == "launch":
         from services.launcher.launcher import Launcher
 
-        forwarded = [a for a in argv[1:]]
-        return Launcher(settings, without_secret_flags(forwarded)).run()
-    if args.command == "gateway":
+        return Launcher(settings, without_secret_flags(args)).run()
+    if command == "gateway":
         from services.gateway.main import run
-    elif args.command == "scheduler":
+    elif command == "scheduler":
         from services.scheduler.main import run
     else:
         from services.worker.main import run

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from services.launcher.embedded_redis import EmbeddedRedis
 from shared.bus import redact_url
+from shared.model_files import resolve_model_dir
 from shared.openmp import IO_CPUS_ENV, cpu_list, share_cores, split_cpus
 from shared.settings import Settings
 
@@ -80,6 +81,10 @@ class Launcher:
                 cpu_list(workers),
                 cpu_list(others),
             )
+        # once, before any child: a download or a missing model is one message (raised as
+        # ModelNotFound to the CLI), not one traceback per service
+        folder = resolve_model_dir(self.settings.model_id, self.settings.revision)
+        log.info("model %s: %s", self.settings.model_id, folder)
         try:
             url = self.redis_url = self.settings.redis_url or self.redis.start(
                 self.placement[1] if self.placement else None

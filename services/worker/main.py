@@ -27,7 +27,6 @@ from services.worker.quantization import QuantizationError
 from services.worker.service import WorkerService
 from shared import aio
 from shared.bus import connect, wait_for_redis
-from shared.model_files import ModelNotFound
 from shared.openmp import cpu_list, move_to_io_cpus
 from shared.ops_server import OpsServer
 from shared.settings import Settings
@@ -137,5 +136,5 @@ def run(settings: Settings) -> None:
             follow_rank_0(settings, rank)
             return
         aio.run(serve(settings))
-    except (UnsupportedModel, ModelNotFound, QuantizationError) as exc:
+    except (UnsupportedModel, QuantizationError) as exc:
         raise SystemExit(f"textgen worker: {exc}") from exc

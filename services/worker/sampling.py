@@ -36,19 +36,35 @@ def draw_seed(seed: int, token_index: int) -> int:
 def apply_penalties(
     logits: torch.Tensor, params: SamplingParams, token_ids: list[int]
 ) -> torch.Tensor:
-    """Repetition penalty (CTRL) and frequency penalty over the tokens seen so far. [vocab]"""
-    if params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0:
+    """Repetition penalty (CTRL), frequency and presence penalties over the tokens seen so
+    far, then the logit bias. [vocab]"""
+    is_penalized = (
+        params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+    )
+    if not is_penalized and not params.logit_bias:
         return logits
-    seen = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
     logits = logits.clone()
-    if params.repetition_penalty != 1.0:
+    if is_penalized:
+        seen = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
         unique = seen.unique()
-        scores = logits[unique]
-        penalty = params.repetition_penalty
-        logits[unique] = torch.where(scores < 0, scores * penalty, scores / penalty)
-    if params.frequency_penalty != 0.0:
-        counts = torch.bincount(seen, minlength=logits.shape[-1])[: logits.shape[-1]]
-        logits = logits - params.frequency_penalty * counts.to(logits.dtype)
+        if params.repetition_penalty != 1.0:
+            scores = logits[unique]
+            penalty = params.repetition_penalty
+            logits[unique] = torch.where(scores < 0, scores * penalty, scores / penalty)
+        if params.frequency_penalty != 0.0:
+            counts = torch.bincount(seen, minlength=logits.shape[-1])[: logits.shape[-1]]
+            logits = logits - params.frequency_penalty * counts.to(logits.dtype)
+        if params.presence_penalty != 0.0:
+            logits[unique] -= params.presence_penalty
+    if params.logit_bias:
+        vocab = logits.shape[-1]
+        biased = [(i, b) for i, b in params.logit_bias.items() if 0 <= i < vocab]
+        if biased:
+            ids, biases = zip(*biased)
+            index = torch.tensor(ids, dtype=torch.long, device=logits.device)
+            logits[index] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
     return logits
 
 

@@ -65,3 +65,19 @@ def test_spans_have_byte_offsets(tokenizer):
 def test_truncate_keeps_last_tokens(tokenizer):
     ids = tokenizer.encode("the cat sat on the big red tree")
     assert tokenizer.encode("the cat sat on the big red tree", truncate=3) == ids[-3:]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_peek_gives_the_text_add_would_give(tokenizer, text):
+    """An alternative token's text (top tokens) is decoded where the chosen token is: the same
+    id gets the same text, its leading space included, however it is asked for."""
+    ids = tokenizer.encode(text)[1:]
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("The story begins"))
+    for token_id in ids:
+        peeked = detok.peek(token_id)
+        assert detok.peek(token_id) == peeked  # peeking changes nothing
+        assert detok.add(token_id) == peeked
+    prompt_ids = tokenizer.encode("hello")
+    after_space = tokenizer.encode("hello there")[len(prompt_ids)]  # the token of " there"
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    assert detok.peek(after_space).startswith(" ")  # the space a standalone decode drops

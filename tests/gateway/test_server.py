@@ -308,7 +308,7 @@ async def test_deadline_and_stream_disconnect_abort(settings, peer, redis_url, n
     listener = aioredis.from_url(redis_url)
     pubsub = listener.pubsub()
     await pubsub.subscribe(Channels(namespace).aborts)
-    auth = {"Authorization": "Bearer secret"}  # TGI compares case-insensitively
+    auth = {"Authorization": "Bearer Secret"}
     try:
         with serve(settings) as url:
             async with httpx.AsyncClient(base_url=url, timeout=10) as http:

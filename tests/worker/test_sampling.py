@@ -65,6 +65,19 @@ def test_repetition_and_frequency_penalties():
     assert out.tolist() == [1.0, -4.0, 1.0]
     out = apply_penalties(row, SamplingParams(frequency_penalty=0.5), [0, 1, 1])
     assert out.tolist() == [1.5, -3.0, 1.0]
+    out = apply_penalties(row, SamplingParams(presence_penalty=0.5), [0, 1, 1])
+    assert out.tolist() == [1.5, -2.5, 1.0]  # once per distinct token, however often seen
+
+
+def test_logit_bias_moves_greedy_and_sampled_picks_and_ignores_ids_past_the_vocab():
+    row = logits(2.0, -2.0, 1.0)
+    biased = SamplingParams(logit_bias={2: 5.0, 0: -100.0, 99: 3.0})
+    assert not biased.is_plain_greedy  # the batched argmax would skip the bias
+    assert apply_penalties(row, biased, [0]).tolist() == [-98.0, -2.0, 6.0]
+    assert row.tolist() == [2.0, -2.0, 1.0]  # the caller's logits stay as they were
+    assert sample_one(row, biased, [0], 1).token_id == 2
+    sampled = SamplingParams(do_sample=True, seed=3, logit_bias={1: 100.0})
+    assert {sample_one(row, sampled, [0], index).token_id for index in range(1, 20)} == {1}
 
 
 def test_stop_rules_length_wins_over_eos():
