@@ -71,7 +71,7 @@ async def health(request: Request) -> Response:
 
 
 for path in ("/health", "/", "/ping", "/ready"):
-    router.add_api_route(path, health, methods=["GET"], include_in_schema=path == "/health")
+    router.add_api_route(path, health, methods=["GET"])
 
 
 @router.get("/live")

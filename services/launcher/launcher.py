@@ -31,20 +31,25 @@ GROUP_SERVICES = ("worker", "scheduler")  # one of each per worker group
 READY_TIMEOUT_S = 1800.0  # a first run may download the model
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the launcher dies, even by SIGKILL (Linux)."""
+def die_with_parent(parent_pid: int) -> None:
+    """In a child, before its program: SIGTERM when the launcher dies, even by SIGKILL (the
+    OOM killer, `docker kill`; Linux's PR_SET_PDEATHSIG). A launcher that died before this
+    ran is not there to signal: the child leaves at once."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
-def _child_setup(cpus: set[int] | None) -> Callable[[], None]:
+def child_setup(cpus: set[int] | None) -> Callable[[], None]:
     """What a child runs before its program: die with the launcher; stay on `cpus` (its
     threads, OpenMP's included, inherit them, and libgomp sizes its pool to them)."""
+    parent_pid = os.getpid()
 
     def setup() -> None:
-        _die_with_parent()
+        die_with_parent(parent_pid)
         if cpus is not None:
             os.sched_setaffinity(0, cpus)
 
@@ -87,7 +92,7 @@ class Launcher:
         log.info("model %s: %s", self.settings.model_id, folder)
         try:
             url = self.redis_url = self.settings.redis_url or self.redis.start(
-                self.placement[1] if self.placement else None
+                child_setup(self.placement[1] if self.placement else None)
             )
             for group in range(self.settings.num_groups):
                 for service in GROUP_SERVICES:
@@ -141,7 +146,7 @@ class Launcher:
             if is_worker:  # its event loop moves to the others' once its torch thread exists
                 env[IO_CPUS_ENV] = cpu_list(others)
         self.children[name] = subprocess.Popen(
-            command, env=env, start_new_session=True, preexec_fn=_child_setup(cpus)
+            command, env=env, start_new_session=True, preexec_fn=child_setup(cpus)
         )
         log.info("started %s (pid %d)", name, self.children[name].pid)
 
@@ -163,15 +168,22 @@ class Launcher:
             time.sleep(0.25)
         raise ChildDied(f"no successful generation within {READY_TIMEOUT_S:.0f} s")
 
-    @staticmethod
-    def _generation_works(base: str) -> bool:
+    def _generation_works(self, base: str) -> bool:
         body = json.dumps({"inputs": "Hello", "parameters": {"max_new_tokens": 1}}).encode()
-        request = urllib.request.Request(
-            f"{base}/generate", data=body, headers={"Content-Type": "application/json"}
-        )
+        headers = {"Content-Type": "application/json"}
+        if self.settings.api_key:  # the probe is a client like any other
+            headers["Authorization"] = f"Bearer {self.settings.api_key}"
+        request = urllib.request.Request(f"{base}/generate", data=body, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
                 return response.status == 200
+        except urllib.error.HTTPError as exc:
+            if 400 <= exc.code < 500 and exc.code != 429:  # no retry makes it pass
+                detail = exc.read().decode(errors="replace")[:200]
+                raise ChildDied(
+                    f"the gateway refused the readiness probe: {exc.code} {detail}"
+                ) from exc
+            return False
         except (urllib.error.URLError, OSError):
             return False
 

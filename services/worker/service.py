@@ -196,6 +196,8 @@ class WorkerService:
             try:
                 entries = link.read(STOPPING_BLOCK_MS if is_stopping else BLOCK_MS)
             except REDIS_ERRORS as exc:
+                if is_stopping and not self.runner.requests:  # nothing to finish, nor to wait for
+                    break
                 log.warning("Redis unreachable (%s); retrying in %.2f s", exc, backoff)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)

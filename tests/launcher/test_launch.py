@@ -258,3 +258,58 @@ def test_launch_refuses_a_worker_cpu_list_it_cannot_use(tiny_llama, cpus, says):
     out, _ = process.communicate(timeout=60)
     assert process.returncode == 2, out
     assert says in out
+
+
+def test_launch_with_an_api_key_is_ready_and_asks_for_it(tiny_llama):
+    """The readiness probe is a client like any other: it sends the key (it used to wait 30
+    minutes for a generation the gateway refused)."""
+    port = free_port()
+    process = launch(tiny_llama, port, "--api-key", "Secret123")
+    try:
+        wait_for_line(process, "textgen is ready", timeout=120)
+        body = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 2}}
+        url = f"http://127.0.0.1:{port}/generate"
+        assert httpx.post(url, json=body, timeout=60).status_code == 401
+        wrong = {"Authorization": "Bearer secret123"}
+        assert httpx.post(url, json=body, headers=wrong, timeout=60).status_code == 401
+        right = {"Authorization": "Bearer Secret123"}
+        assert httpx.post(url, json=body, headers=right, timeout=60).status_code == 200
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def test_kill_9_of_the_launcher_leaves_nothing_behind(tiny_llama):
+    """SIGKILL (the OOM killer, `docker kill`) gives the launcher no chance to stop its
+    children: they notice (parent-death signal) and stop on their own, Redis included."""
+    process = launch(tiny_llama, free_port())
+    wait_for_line(process, "textgen is ready", timeout=120)
+    pids = children_of(process.pid)
+    names = {Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] for pid in pids}
+    assert any(b"redis-server" in name for name in names) and len(pids) >= 4
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait(timeout=10)
+    deadline = time.monotonic() + 60  # each finishes what it holds (nothing) and exits
+    while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in pids if is_alive(pid)]
+
+
+@pytest.mark.parametrize("model", ["HuggingFaceTB/not-a-model-here", "/no/such/folder"])
+def test_a_model_that_cannot_be_found_is_one_clear_line(model):
+    """Offline, or a typo: one line that says what to do, no traceback, exit code 2, and
+    nothing started."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "services.launcher.cli", "launch", "--model-id", model],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 2, out
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in out.stderr + out.stdout, out.stderr
+    assert lines[0].startswith("textgen launch: ") and model in lines[0]
+    assert "pass a local model folder" in lines[0] or "does not exist" in lines[0]
