@@ -7,9 +7,12 @@ PYTEST_ARGS ?=
 
 .PHONY: serve test lint clean
 
+# The deprecated text-generation client (compatibility tests) pins huggingface-hub<1.0, which
+# transformers 5 cannot use; its code runs with either, so it is installed without its pins.
 $(VENV)/.installed: pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q -e ".[worker,dev]"
+	$(VENV)/bin/python -m pip install -q --no-deps "text-generation==0.7.0"
 	touch $@
 
 serve: $(VENV)/.installed

@@ -33,8 +33,8 @@ class GatewayError(Exception):
     def body(self) -> dict[str, str]:
         return {"error": self.message, "error_type": self.error_type}
 
-    def response(self) -> Response:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self, headers: dict[str, str] | None = None) -> Response:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 class ValidationError(GatewayError):

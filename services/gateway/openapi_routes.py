@@ -1,7 +1,7 @@
 """What /openapi.json says of each route: its request body, summary and every answer.
 
 TGI's routes answer body rejections in plain text (415, 413, 400, 422 for a wrong shape),
-their own errors as TGI's JSON, and a 401 without a body; streaming routes report what fails
+their own errors as TGI's JSON (a 401 too); streaming routes report what fails
 after the stream starts inside it. The OpenAI routes answer every error in OpenAI's shape.
 """
 
@@ -25,7 +25,7 @@ class InvocationsBody(RootModel[CompatBody | ChatBody | CompletionBody]):
 TGI_ERROR = json_of(out.ErrorResponse)
 OPENAI_ERROR = json_of(out.OpenAIError)
 EITHER_ERROR = json_of(out.ErrorResponse, out.OpenAIError)
-NO_KEY = answer("Missing or wrong API key (--api-key): no body")
+NO_KEY = answer("Missing or wrong API key (--api-key)", TGI_ERROR)
 TOO_LARGE = "The body is larger than --payload-limit"
 NOT_JSON_TYPE = "Content-Type is not application/json"
 SHAPE_OR_VALUE = "The body has the wrong shape (text), or fails validation (JSON)"

@@ -53,10 +53,14 @@ def gateway(request: Request) -> GatewayState:
 
 
 def unauthorized(state: GatewayState, request: Request) -> Response | None:
-    """401 (empty body, as TGI) when --api-key is set and the request does not carry it."""
+    """401 when --api-key is set and the request does not carry it. TGI's body is empty,
+    which the text-generation client fails to parse (a JSONDecodeError): this one is TGI's
+    error JSON, which every TGI client reads."""
     if is_authorized(state.settings.api_key, request.headers.get("authorization")):
         return None
-    return Response(status_code=401, headers={"WWW-Authenticate": "Bearer"})
+    return GatewayError(401, "Unauthorized: missing or wrong API key", "unauthorized").response(
+        headers={"WWW-Authenticate": "Bearer"}
+    )
 
 
 async def prepare(

@@ -122,25 +122,30 @@ class IncrementalDetokenizer:
         self.read_offset = len(context)
 
     def add(self, token_id: int) -> str:
-        text = self.peek(token_id)
-        if not self.tokenizer.is_special(token_id):
-            self.ids.append(token_id)
-            if text:
-                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        if self.tokenizer.is_special(token_id):
+            return self.tokenizer.special_text[token_id]
+        self.ids.append(token_id)
+        text, is_complete = self._new_text(self.ids[self.prefix_offset :])
+        if not is_complete:
+            return ""  # shown with the token that completes the character
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return text
 
     def peek(self, token_id: int) -> str:
-        """The text `add(token_id)` would return now, without adding it: the text of an
-        alternative token at this position (top tokens), decoded in the same context as the
-        token chosen there, so one id has one text (a leading space included)."""
+        """The text `token_id` would add here, without adding it: an alternative token's text
+        (top tokens), decoded in the same context as the token chosen there, so one id has
+        one text, its leading space included. A token that leaves a character incomplete
+        shows the decoder's U+FFFD (no later token will complete an alternative)."""
         if self.tokenizer.is_special(token_id):
             return self.tokenizer.special_text[token_id]
-        window = self.ids[self.prefix_offset :]
+        return self._new_text([*self.ids[self.prefix_offset :], token_id])[0]
+
+    def _new_text(self, window: list[int]) -> tuple[str, bool]:
+        """(the text the last id of `window` adds, whether it ends on a whole character)."""
         prefix_text = self.tokenizer.decode(window[: self.read_offset - self.prefix_offset])
-        new_text = self.tokenizer.decode([*window, token_id])
-        if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT):
-            return new_text[len(prefix_text) :]
-        return ""
+        new_text = self.tokenizer.decode(window)
+        is_complete = len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT)
+        return new_text[len(prefix_text) :], is_complete
 
     def flush(self) -> str:
         """Text of tokens still held (an incomplete character at the very end)."""

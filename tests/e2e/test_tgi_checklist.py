@@ -8,7 +8,9 @@ import json
 import re
 
 import httpx
+import openai
 import pytest
+import text_generation
 import torch
 
 from tests.e2e.test_pipeline import prompt_text, sse_events
@@ -48,6 +50,19 @@ def test_07_top_n_tokens(url, tiny_llama):
     values, ids = torch.topk(logprobs.log_softmax(-1), 2)
     assert [t["id"] for t in tops[0]] == ids.tolist()
     assert [t["logprob"] for t in tops[0]] == pytest.approx(values.tolist(), abs=1e-4)
+    # one id, one text: the greedy token and its own entry among the alternatives agree,
+    # leading space included (the text each continues the prompt with)
+    hf = tokenizer(tiny_llama)
+    prefix = hf.decode(input_ids, skip_special_tokens=True)
+    for i in ids.tolist():
+        text = hf.decode(input_ids + [i], skip_special_tokens=True)[len(prefix) :]
+        assert next(t["text"] for t in tops[0] if t["id"] == i) == text
+    assert all(top[0]["text"] == tok["text"] or tok["text"] == "" for top, tok in zip(tops, tokens))
+    # the text-generation client reads the same texts
+    details = text_generation.Client(url).generate(prompt, max_new_tokens=4, top_n_tokens=2).details
+    assert [[t.text for t in top] for top in details.top_tokens] == [
+        [t["text"] for t in top] for top in tops
+    ]
 
 
 def test_08_body_decoding_errors(url):
@@ -290,11 +305,32 @@ def test_31_32_33_34_info_health_tokenize_metrics(url, tiny_llama):
 
 
 def test_35_api_key(tiny_cluster):
-    url = tiny_cluster.add_gateway("--api-key", "Secret")
+    """The key is compared exactly: TGI's case-insensitive comparison let `BEARER SECRET123`
+    in for `Secret123`. The official clients send it as `Bearer <key>`."""
+    url = tiny_cluster.add_gateway("--api-key", "Secret123")
     body = {"inputs": "Hi", "parameters": {"max_new_tokens": 2}}
     denied = post(url, "/generate", body)
-    assert denied.status_code == 401 and denied.content == b""
-    allowed = post(url, "/generate", body, headers={"Authorization": "Bearer secret"})
+    assert denied.status_code == 401 and denied.json() == {
+        "error": "Unauthorized: missing or wrong API key",
+        "error_type": "unauthorized",
+    }
+    assert denied.headers["www-authenticate"] == "Bearer"
+    for wrong in ("Bearer secret123", "BEARER SECRET123", "Bearer Secret1234", "Secret123"):
+        assert post(url, "/generate", body, headers={"Authorization": wrong}).status_code == 401
+    allowed = post(url, "/generate", body, headers={"Authorization": "Bearer Secret123"})
     assert allowed.status_code == 200
-    for path in ("/health", "/info", "/metrics"):
+    for path in ("/health", "/info", "/metrics", "/v1/models"):
         assert httpx.get(f"{url}{path}").status_code == 200
+    chat = {"messages": [{"role": "user", "content": "Hi"}]}
+    assert post(url, "/chat_tokenize", chat).status_code == 401
+    # the three official clients, with the key and without it
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="secret123", max_retries=0).completions.create(
+            model="tgi", prompt="Hi", max_tokens=2
+        )
+    sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="Secret123", max_retries=0)
+    assert sdk.completions.create(model="tgi", prompt="Hi", max_tokens=2).usage.completion_tokens
+    tgi = text_generation.Client(url, headers={"Authorization": "Bearer Secret123"})
+    assert tgi.generate("Hi", max_new_tokens=2).generated_text is not None
+    with pytest.raises(text_generation.errors.UnknownError, match="missing or wrong API key"):
+        text_generation.Client(url).generate("Hi", max_new_tokens=2)  # TGI's empty 401 crashed it

@@ -76,7 +76,9 @@ def test_peek_gives_the_text_add_would_give(tokenizer, text):
     for token_id in ids:
         peeked = detok.peek(token_id)
         assert detok.peek(token_id) == peeked  # peeking changes nothing
-        assert detok.add(token_id) == peeked
+        added = detok.add(token_id)
+        # a piece of a character: "" while it streams, U+FFFD for an alternative
+        assert added == peeked or (added == "" and peeked.endswith("\ufffd"))
     prompt_ids = tokenizer.encode("hello")
     after_space = tokenizer.encode("hello there")[len(prompt_ids)]  # the token of " there"
     detok = IncrementalDetokenizer(tokenizer, prompt_ids)
