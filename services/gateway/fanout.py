@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 from services.gateway.errors import incomplete_generation
-from services.gateway.generation import Finished, KeepAlive, Token
+from services.gateway.results import Finished, KeepAlive, Token
 
 T = TypeVar("T")
 Item = Token | Finished | KeepAlive

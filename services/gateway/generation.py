@@ -1,8 +1,9 @@
 """One generation, from a validated request to a stream of API-level tokens.
 
 `Generator.stream()` sends the GenerateRequest (XADD on the request stream), waits for the
-worker's TokenEvents (demultiplexed by ReplyRouter), detokenizes them incrementally, matches
-stop strings, and yields `Token` items then one `Finished`. It aborts the request on the bus
+worker's TokenEvents (demultiplexed by ReplyRouter), turns them into text (decoding.py:
+incremental detokenizing, stop strings) and yields `Token` items then one `Finished`
+(results.py). It aborts the request on the bus
 (PUBLISH on the aborts channel) when the client goes away, a stop string matches, or the
 deadline passes. /generate, /generate_stream and the OpenAI routes all consume it.
 """
@@ -11,23 +12,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from redis.exceptions import RedisError
 
+from services.gateway.decoding import TextDecoder, finite
 from services.gateway.errors import GatewayError, generation_failed, overloaded, unavailable
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.replies import ReplyRouter
-from services.gateway.stops import StopSequenceMatcher
-from services.gateway.tokenizer import IncrementalDetokenizer, TextTokenizer
-from services.gateway.validation import ValidatedParameters
+from services.gateway.results import Finished, KeepAlive, Prepared, Token
+from services.gateway.tokenizer import TextTokenizer
 from shared.bus import stream_fields
 from shared.channels import Channels
 from shared.codec import encode
@@ -42,43 +41,6 @@ from shared.telemetry import inject_traceparent, tracer
 
 log = logging.getLogger(__name__)
 REDIS_TIMEOUT_S = 2.0  # a Redis call slower than this is treated as Redis being unreachable
-
-
-@dataclass
-class Token:
-    """One generated token as the API shows it."""
-
-    index: int  # 1-based position among generated tokens
-    id: int
-    text: str
-    logprob: float | None
-    special: bool
-    top_tokens: list[Token] = field(default_factory=list)
-    finished: Finished | None = None  # set on the last token of the generation
-
-
-@dataclass
-class Finished:
-    """The end of a generation."""
-
-    generated_text: str  # special tokens skipped, cut after a stop string
-    finish_reason: FinishReason
-    num_generated_tokens: int
-    num_input_tokens: int
-    seed: int | None  # null for greedy requests
-    validation_s: float
-    queue_s: float
-    inference_s: float
-    total_s: float
-    prefill: list[Token] = field(default_factory=list)  # prompt tokens, if asked (no `special`)
-    stop_sequence: str | None = None  # the stop string that ended it (generated_text's end)
-
-    @property
-    def text_before_stop(self) -> str:
-        """generated_text without the stop string (OpenAI's contract; TGI keeps it)."""
-        if not self.stop_sequence:
-            return self.generated_text
-        return self.generated_text[: len(self.generated_text) - len(self.stop_sequence)]
 
 
 class DeadlineExceeded(GatewayError):
@@ -103,79 +65,6 @@ class QueueWaitExceeded(DeadlineExceeded):
             f"Model is overloaded: no worker took the request within {wait_s:g} s",
             "overloaded",
         )
-
-
-class KeepAlive:
-    """Yielded when nothing happened for `keepalive_s` (SSE sends a comment)."""
-
-
-@dataclass
-class Prepared:
-    """A request ready to send: validated and tokenized."""
-
-    inputs: str
-    input_ids: list[int]
-    params: ValidatedParameters
-    max_new_tokens: int
-    arrived_at: float  # unix s the HTTP request arrived
-    response_id: str = ""  # the OpenAI answer it is a choice of ("" on TGI routes)
-
-
-def finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
-
-
-class _Decoder:
-    """Per-request text state: detokenizer, stop matcher, generated text."""
-
-    def __init__(self, tokenizer: TextTokenizer, prepared: Prepared):
-        self.tokenizer = tokenizer
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prepared.input_ids)
-        self.matcher = StopSequenceMatcher(prepared.params.stop)
-        self.num_tokens = 0
-        self.stop_end: int | None = None
-
-    def token(self, event: TokenEvent, position: int) -> Token:
-        token_id = event.token_ids[position]
-        self.num_tokens += 1
-        tops = event.top_tokens[position] if position < len(event.top_tokens) else []
-        top_tokens = [  # decoded where the chosen token is: one id, one text
-            Token(
-                0,
-                top.id,
-                self.detokenizer.peek(top.id),
-                finite(top.logprob),
-                self.tokenizer.is_special(top.id),
-            )
-            for top in tops
-        ]
-        text = self.detokenizer.add(token_id)
-        is_special = self.tokenizer.is_special(token_id)
-        if not is_special and self.stop_end is None:
-            self.stop_end = self.matcher.feed(text)
-        return Token(
-            index=event.index + position if event.index else self.num_tokens,
-            id=token_id,
-            text=text,
-            logprob=finite(event.logprobs[position]) if position < len(event.logprobs) else None,
-            special=is_special,
-            top_tokens=top_tokens,
-        )
-
-    def flush(self) -> str:
-        text = self.detokenizer.flush()
-        self.matcher.feed(text)
-        return text
-
-    @property
-    def generated_text(self) -> str:
-        text = self.matcher.text
-        return text if self.stop_end is None else text[: self.stop_end]
-
-    @property
-    def stop_sequence(self) -> str | None:
-        """The stop string generated_text ends with, if one ended the generation."""
-        return None if self.stop_end is None else self.matcher.matched
 
 
 class Generator:
@@ -320,7 +209,7 @@ class Generator:
         enqueued_at: float,
         keepalive_s: float | None,
     ) -> AsyncIterator[Token | Finished | KeepAlive]:
-        decoder = _Decoder(self.tokenizer, prepared)
+        decoder = TextDecoder(self.tokenizer, prepared)
         scheduled_at: float | None = None
         prefill: list[Token] = []
         self._count(queued=1)
@@ -386,7 +275,7 @@ class Generator:
 
     def _finished(
         self,
-        decoder: _Decoder,
+        decoder: TextDecoder,
         prepared: Prepared,
         reason: FinishReason,
         enqueued_at: float,

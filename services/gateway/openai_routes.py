@@ -26,7 +26,6 @@ from services.gateway.chat_template import no_template
 from services.gateway.errors import GatewayError
 from services.gateway.fanout import Item, collect, gather_or_fail
 from services.gateway.formatting import mean_logprob, summed_headers, timing_headers
-from services.gateway.generation import Finished, Prepared, Token
 from services.gateway.openai_errors import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -55,6 +54,7 @@ from services.gateway.openai_params import (
 )
 from services.gateway.openai_schemas import ChatBody, CompletionBody
 from services.gateway.openai_streams import chat_events, completion_events
+from services.gateway.results import Finished, Prepared, Token
 from services.gateway.schemas import GenerateParameters
 from services.gateway.state import GatewayState
 from services.gateway.tgi_routes import KEEPALIVE_S, gateway, prepare, until_disconnect

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from services.gateway.errors import GatewayError
 from services.gateway.fanout import Item, merge
 from services.gateway.formatting import sse
-from services.gateway.generation import Finished, KeepAlive, Token
 from services.gateway.openai_errors import CHAT_FIELDS, COMPLETION_FIELDS, gateway_error_body
 from services.gateway.openai_format import (
     DONE,
@@ -27,6 +26,7 @@ from services.gateway.openai_format import (
     summed_usage,
     visible_text,
 )
+from services.gateway.results import Finished, KeepAlive, Token
 from services.gateway.stops import StopHoldback
 
 KEEPALIVE = ":\n\n"  # an SSE comment: keeps proxies from closing a quiet stream

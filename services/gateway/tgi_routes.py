@@ -31,7 +31,7 @@ from services.gateway.formatting import (
     stream_event,
     timing_headers,
 )
-from services.gateway.generation import Finished, KeepAlive, Prepared, Token
+from services.gateway.results import Finished, KeepAlive, Prepared, Token
 from services.gateway.schemas import CompatBody, GenerateBody
 from services.gateway.state import GatewayState
 from services.gateway.tokenizer import TokenizerError

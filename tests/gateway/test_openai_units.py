@@ -11,7 +11,6 @@ import pytest
 from services.gateway.body import parse_body
 from services.gateway.chat_template import ChatTemplate, TemplateError, continue_final_message
 from services.gateway.errors import BodyError, GatewayError, ValidationError
-from services.gateway.generation import Finished, Token
 from services.gateway.openai_errors import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -41,6 +40,7 @@ from services.gateway.openai_params import (
     openai_sampling,
 )
 from services.gateway.openai_schemas import ChatBody, CompletionBody
+from services.gateway.results import Finished, Token
 from services.gateway.validation import Limits, validate_parameters
 from shared.messages import FinishReason
 
