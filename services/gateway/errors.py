@@ -57,11 +57,8 @@ def generation_failed(detail: str, error_type: str = "") -> GatewayError:
     )
 
 
-def incomplete_generation(is_stream: bool) -> GatewayError:
-    if is_stream:
-        return GatewayError(
-            500, "Incomplete generation stream", "incomplete_generation_stream", "incomplete"
-        )
+def incomplete_generation() -> GatewayError:
+    """A generation that ended without its final token (a non-stream answer)."""
     return GatewayError(500, "Incomplete generation", "incomplete_generation", "incomplete")
 
 

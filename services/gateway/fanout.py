@@ -68,7 +68,7 @@ async def collect(items: AsyncIterator[Item]) -> tuple[list[Token], Finished]:
             tokens.append(item)
         elif isinstance(item, Finished):
             return tokens, item
-    raise incomplete_generation(is_stream=False)
+    raise incomplete_generation()
 
 
 async def gather_or_fail(works: list[Awaitable[T]]) -> list[T]:

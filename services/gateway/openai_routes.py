@@ -11,10 +11,11 @@ prompts get BOS like /generate.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import msgspec
 from fastapi import APIRouter, Request
@@ -56,7 +57,7 @@ from services.gateway.openai_schemas import ChatBody, CompletionBody
 from services.gateway.openai_streams import chat_events, completion_events
 from services.gateway.results import Finished, Prepared, Token
 from services.gateway.schemas import GenerateParameters
-from services.gateway.state import GatewayState
+from services.gateway.state import GatewayState, Held
 from services.gateway.tgi_routes import KEEPALIVE_S, gateway, prepare, until_disconnect
 from services.gateway.validation import ValidatedParameters, validate_parameters
 
@@ -119,31 +120,6 @@ def with_openai_sampling(params: ValidatedParameters, extra: OpenAISampling) -> 
     return dataclasses.replace(params, sampling=sampling)
 
 
-async def admit(
-    state: GatewayState,
-    prompts: list[str],
-    choice_params: list[GenerateParameters],
-    extra: OpenAISampling,
-    envelope: Envelope,
-    arrived_at: float,
-    *,
-    is_chat: bool,
-) -> list[list[Prepared]]:
-    """Every generation of the request, prompt by prompt, validated and tokenized (each prompt
-    once; a chat prompt without added special tokens: its template wrote them). Raises
-    GatewayError."""
-    groups = []
-    for prompt in prompts:
-        validated = [
-            with_openai_sampling(validate_parameters(params, prompt, state.limits), extra)
-            for params in choice_params
-        ]
-        prepared = await prepare(state, prompt, validated[0], arrived_at, not is_chat)
-        first = dataclasses.replace(prepared, response_id=envelope.id)
-        groups.append([first] + [dataclasses.replace(first, params=v) for v in validated[1:]])
-    return groups
-
-
 async def run(
     state: GatewayState, prepared: Prepared, keepalive_s: float | None
 ) -> AsyncIterator[Item]:
@@ -166,16 +142,53 @@ async def run_all(
     )
 
 
-def log_admitted(route: str, envelope: Envelope, fanout: Fanout, num: int, stream: bool) -> None:
+async def admit(
+    state: GatewayState,
+    route: str,
+    meta: Envelope,
+    fanout: Fanout,
+    prompts: list[str],
+    choice_params: list[GenerateParameters],
+    extra: OpenAISampling,
+    arrived_at: float,
+) -> tuple[list[Prepared], Held]:
+    """Every generation of the request, prompt by prompt, validated and tokenized (each prompt
+    once; a chat prompt without added special tokens: its template wrote them), and their
+    concurrency slots, all or none. Raises GatewayError."""
+    generations: list[Prepared] = []
+    for prompt in prompts:
+        validated = [
+            with_openai_sampling(validate_parameters(params, prompt, state.limits), extra)
+            for params in choice_params
+        ]
+        prepared = await prepare(state, prompt, validated[0], arrived_at, route != "chat")
+        first = dataclasses.replace(prepared, response_id=meta.id)
+        generations += [first] + [dataclasses.replace(first, params=v) for v in validated[1:]]
+    held = state.admission.hold(len(generations))
+    state.metrics.openai_generations.labels(route).observe(len(generations))
     log.debug(
-        "%s %s: %d generation(s), n=%d best_of=%d stream=%s",
+        "%s %s: %d generation(s), n=%d best_of=%d",
         route,
-        envelope.id,
-        num,
+        meta.id,
+        len(generations),
         fanout.n,
         fanout.best_of,
-        stream,
     )
+    return generations, held
+
+
+@contextlib.contextmanager
+def failures_counted(state: GatewayState) -> Iterator[None]:
+    """A request refused inside counts in tgi_request_failure{err}."""
+    try:
+        yield
+    except GatewayError as exc:
+        state.metrics.request_failed(exc.metric_label)
+        raise
+
+
+def wants_usage_chunk(body: ChatBody | CompletionBody) -> bool:
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
 
 # --- chat ------------------------------------------------------------------------------------
@@ -205,20 +218,15 @@ async def answer_chat(
     """A decoded chat request's answer: JSON, or SSE when `stream` (also used by /vertex).
     Raises GatewayError when it is not admitted."""
     state.metrics.request_started()  # TGI counts a chat request, then its generation (quirk)
-    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-    meta = envelope(state, body.model, arrived_at, "chatcmpl", include_usage)
-    try:
+    meta = envelope(state, body.model, arrived_at, "chatcmpl", wants_usage_chunk(body))
+    with failures_counted(state):
         fanout = check_chat_request(body)
         prompt = render_prompt(state, body)
         extra = openai_sampling(body.presence_penalty, body.logit_bias, state.tokenizer.vocab_size)
         params = fanout.choice_parameters(chat_parameters(body))
-        (generations,) = await admit(state, [prompt], params, extra, meta, arrived_at, is_chat=True)
-        held = state.admission.hold(len(generations))
-    except GatewayError as exc:
-        state.metrics.request_failed(exc.metric_label)
-        raise
-    state.metrics.openai_generations.labels("chat").observe(len(generations))
-    log_admitted("chat", meta, fanout, len(generations), body.stream)
+        generations, held = await admit(
+            state, "chat", meta, fanout, [prompt], params, extra, arrived_at
+        )
     stop, has_logprobs = generations[0].params.stop, bool(body.logprobs)
     if body.stream:
         streams = [run(state, p, KEEPALIVE_S) for p in generations]
@@ -263,21 +271,15 @@ async def answer_completions(
     state: GatewayState, request: Request, body: CompletionBody, arrived_at: float
 ) -> Response:
     state.metrics.request_started()  # TGI counts the request, then each generation (quirk)
-    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-    meta = envelope(state, None, arrived_at, "cmpl", include_usage)  # always the served id
+    meta = envelope(state, None, arrived_at, "cmpl", wants_usage_chunk(body))  # the served id
     prompts = body.prompts
-    try:
+    with failures_counted(state):
         fanout = check_completion_request(body, state.settings.max_client_batch_size)
         extra = openai_sampling(body.presence_penalty, body.logit_bias, state.tokenizer.vocab_size)
         params = fanout.choice_parameters(completion_parameters(body))
-        groups = await admit(state, prompts, params, extra, meta, arrived_at, is_chat=False)
-        generations = [prepared for group in groups for prepared in group]
-        held = state.admission.hold(len(generations))
-    except GatewayError as exc:
-        state.metrics.request_failed(exc.metric_label)
-        raise
-    state.metrics.openai_generations.labels("completions").observe(len(generations))
-    log_admitted("completions", meta, fanout, len(generations), body.stream)
+        generations, held = await admit(
+            state, "completions", meta, fanout, prompts, params, extra, arrived_at
+        )
     num_characters = sum(len(prompt) for prompt in prompts)
     stop = generations[0].params.stop
     if body.stream:

@@ -37,24 +37,21 @@ class PrefillToken(BaseModel):
 FinishReasonOut = Literal["length", "eos_token", "stop_sequence"]
 
 
-class BestOfSequence(BaseModel):
+class SequenceDetails(BaseModel):
+    finish_reason: FinishReasonOut
+    generated_tokens: int
+    seed: int | None
+    prefill: list[PrefillToken]
+    tokens: list[TokenOut]
+    top_tokens: list[list[TokenOut]] | None = None  # with top_n_tokens
+
+
+class BestOfSequence(SequenceDetails):
     generated_text: str
-    finish_reason: FinishReasonOut
-    generated_tokens: int
-    seed: int | None
-    prefill: list[PrefillToken]
-    tokens: list[TokenOut]
-    top_tokens: list[list[TokenOut]] | None = None
 
 
-class Details(BaseModel):
-    finish_reason: FinishReasonOut
-    generated_tokens: int
-    seed: int | None
-    prefill: list[PrefillToken]
-    tokens: list[TokenOut]
-    top_tokens: list[list[TokenOut]] | None = None
-    best_of_sequences: list[BestOfSequence] | None = None
+class Details(SequenceDetails):
+    best_of_sequences: list[BestOfSequence] | None = None  # with best_of > 1
 
 
 class GenerateResponse(BaseModel):
