@@ -28,6 +28,7 @@ class GatewayMetrics:
         self.num_requests = 0
         self.num_success = 0
         self.num_failures: Counter[str] = Counter()
+        self.num_unauthorized = 0  # requests refused for a missing or wrong --api-key
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(name, doc, buckets=buckets, registry=self.registry)
@@ -78,6 +79,9 @@ class GatewayMetrics:
     def request_failed(self, label: str) -> None:
         self.num_failures[label] += 1
 
+    def request_unauthorized(self) -> None:
+        self.num_unauthorized += 1
+
     def request_succeeded(
         self,
         *,
@@ -111,4 +115,9 @@ class GatewayMetrics:
         ]
         for label in sorted(self.num_failures):
             lines.append(f'tgi_request_failure{{err="{label}"}} {self.num_failures[label]}')
+        lines += [
+            "# HELP textgen_unauthorized_requests requests refused for a missing or wrong key",
+            "# TYPE textgen_unauthorized_requests counter",
+            f"textgen_unauthorized_requests {self.num_unauthorized}",
+        ]
         return ("\n".join(lines) + "\n").encode() + generate_latest(self.registry)

@@ -93,6 +93,7 @@ def stream_headers(state: GatewayState, num_characters: int) -> dict[str, str]:
 async def decode_openai(state: GatewayState, request: Request, model: type) -> object:
     """The request body as `model`, or the OpenAI-shaped error response (401, 4xx)."""
     if not is_authorized(state.settings.api_key, request.headers.get("authorization")):
+        state.metrics.request_unauthorized()
         return unauthorized_response()
     try:
         return await read_json(request, model, state.settings.payload_limit)

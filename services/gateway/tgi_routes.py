@@ -58,6 +58,7 @@ def unauthorized(state: GatewayState, request: Request) -> Response | None:
     error JSON, which every TGI client reads."""
     if is_authorized(state.settings.api_key, request.headers.get("authorization")):
         return None
+    state.metrics.request_unauthorized()
     return GatewayError(401, "Unauthorized: missing or wrong API key", "unauthorized").response(
         headers={"WWW-Authenticate": "Bearer"}
     )

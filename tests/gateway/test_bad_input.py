@@ -204,6 +204,8 @@ async def test_api_key_routes(settings, peer):
                 assert response.status_code == 401, route
                 response = await http.post(route, json=body, headers=good)
                 assert response.status_code == 200, (route, response.text)
+            metrics = (await http.get("/metrics")).text
+            assert "textgen_unauthorized_requests 18\n" in metrics  # 3 routes x 6
             # /chat_tokenize shows the template: protected too (TGI left it open)
             response = await http.post("/chat_tokenize", json=chat)
             assert response.status_code == 401 and response.json()["error_type"] == "unauthorized"

@@ -421,6 +421,8 @@ async def test_models_api_key_and_overload(settings, peer):
                     response = await http.post(path, json=body, headers=headers)
                     assert error_of(response, 401)["type"] == "authentication_error"
                     assert response.headers["www-authenticate"] == "Bearer"
+            metrics = (await http.get("/metrics")).text
+            assert "textgen_unauthorized_requests 8\n" in metrics  # 2 routes x 4
             auth = {"Authorization": "bearer Secret123"}  # the scheme in any case
             slow = asyncio.create_task(
                 http.post(
