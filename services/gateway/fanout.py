@@ -67,7 +67,7 @@ async def collect(items: AsyncIterator[Item]) -> tuple[list[Token], Finished]:
         if isinstance(item, Token):
             tokens.append(item)
         elif isinstance(item, Finished):
-            return tokens, item
+            return tokens + ([item.last_token] if item.last_token else []), item
     raise incomplete_generation()
 
 

@@ -98,7 +98,8 @@ class Generator:
     ) -> AsyncIterator[Token | Finished | KeepAlive]:
         """Run one generation; raises GatewayError on failure.
 
-        Yields each Token (the last one carries `finished`), then the Finished itself, and
+        Yields each Token but the last, then one Finished holding the last token (the end,
+        and the only one), and
         KeepAlive after `keepalive_s` of silence when asked.
         """
         request_id = uuid.uuid4().hex
@@ -117,11 +118,9 @@ class Generator:
             await self._send(message)
             enqueued_at = time.time()
             async for item in self._consume(queue, message, prepared, enqueued_at, keepalive_s):
-                # the last Token carries `finished`: a consumer may stop right after it
-                finished = item if isinstance(item, Finished) else getattr(item, "finished", None)
-                if finished is not None and outcome == "dropped":
-                    outcome = "stop_sequence" if self._needs_abort(finished) else "finished"
-                    self._log_finished(request_id, finished)
+                if isinstance(item, Finished):  # a consumer may stop right after it
+                    outcome = "stop_sequence" if self._needs_abort(item) else "finished"
+                    self._log_finished(request_id, item)
                 yield item
         except GatewayError as exc:
             outcome = "deadline" if isinstance(exc, DeadlineExceeded) else "failed"
@@ -239,16 +238,15 @@ class Generator:
                         if decoder.stop_end is not None
                         else (event.finish_reason if is_last else None)
                     )
-                    if reason is not None:
-                        if reason != FinishReason.STOP_SEQUENCE:
-                            token.text += decoder.flush()
-                        token.finished = self._finished(
-                            decoder, prepared, reason, enqueued_at, scheduled_at, prefill
-                        )
+                    if reason is None:
                         yield token
-                        yield token.finished
-                        return
-                    yield token
+                        continue
+                    if reason != FinishReason.STOP_SEQUENCE:
+                        token.text += decoder.flush()
+                    yield self._finished(
+                        decoder, prepared, reason, enqueued_at, scheduled_at, prefill, token
+                    )
+                    return
                 if event.finish_reason is not None:  # a final event without tokens
                     decoder.flush()
                     yield self._finished(
@@ -281,6 +279,7 @@ class Generator:
         enqueued_at: float,
         scheduled_at: float,
         prefill: list[Token],
+        last_token: Token | None = None,
     ) -> Finished:
         now = time.time()
         scheduled_at = max(scheduled_at, enqueued_at)
@@ -296,6 +295,7 @@ class Generator:
             total_s=now - prepared.arrived_at,
             prefill=prefill,
             stop_sequence=decoder.stop_sequence,
+            last_token=last_token,
         )
         self.metrics.request_succeeded(
             total_s=finished.total_s,

@@ -17,10 +17,10 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
-import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.gateway.admission import Admitted, admit
 from services.gateway.auth import is_authorized
 from services.gateway.body import BodyError, read_json
 from services.gateway.chat_template import no_template
@@ -57,9 +57,8 @@ from services.gateway.openai_schemas import ChatBody, CompletionBody
 from services.gateway.openai_streams import chat_events, completion_events
 from services.gateway.results import Finished, Prepared, Token
 from services.gateway.schemas import GenerateParameters
-from services.gateway.state import GatewayState, Held
-from services.gateway.tgi_routes import KEEPALIVE_S, gateway, prepare, until_disconnect
-from services.gateway.validation import ValidatedParameters, validate_parameters
+from services.gateway.state import GatewayState
+from services.gateway.tgi_routes import KEEPALIVE_S, gateway, until_disconnect
 
 log = logging.getLogger(__name__)
 SERVED_MODEL_ALIASES = (None, "tgi")  # `model` values that mean "the served model"
@@ -114,13 +113,6 @@ def envelope(
     )
 
 
-def with_openai_sampling(params: ValidatedParameters, extra: OpenAISampling) -> ValidatedParameters:
-    sampling = msgspec.structs.replace(
-        params.sampling, presence_penalty=extra.presence_penalty, logit_bias=extra.logit_bias
-    )
-    return dataclasses.replace(params, sampling=sampling)
-
-
 async def run(
     state: GatewayState, prepared: Prepared, keepalive_s: float | None
 ) -> AsyncIterator[Item]:
@@ -143,7 +135,7 @@ async def run_all(
     )
 
 
-async def admit(
+async def admit_openai(
     state: GatewayState,
     route: str,
     meta: Envelope,
@@ -152,30 +144,24 @@ async def admit(
     choice_params: list[GenerateParameters],
     extra: OpenAISampling,
     arrived_at: float,
-) -> tuple[list[Prepared], Held]:
-    """Every generation of the request, prompt by prompt, validated and tokenized (each prompt
-    once; a chat prompt without added special tokens: its template wrote them), and their
-    concurrency slots, all or none. Raises GatewayError."""
-    generations: list[Prepared] = []
-    for prompt in prompts:
-        validated = [
-            with_openai_sampling(validate_parameters(params, prompt, state.limits), extra)
-            for params in choice_params
-        ]
-        prepared = await prepare(state, prompt, validated[0], arrived_at, route != "chat")
-        first = dataclasses.replace(prepared, response_id=meta.id)
-        generations += [first] + [dataclasses.replace(first, params=v) for v in validated[1:]]
-    held = state.admission.hold(len(generations))
-    state.metrics.openai_generations.labels(route).observe(len(generations))
-    log.debug(
-        "%s %s: %d generation(s), n=%d best_of=%d",
-        route,
-        meta.id,
-        len(generations),
-        fanout.n,
-        fanout.best_of,
+) -> Admitted:
+    """The request through the one admission path (services/gateway/admission.py); a chat
+    prompt without added special tokens (its template wrote them)."""
+    admitted = await admit(
+        state,
+        prompts,
+        choice_params,
+        arrived_at,
+        add_special_tokens=route != "chat",
+        sampling_overrides=dataclasses.asdict(extra),
+        response_id=meta.id,
     )
-    return generations, held
+    num = len(admitted.generations)
+    state.metrics.openai_generations.labels(route).observe(num)
+    log.debug(
+        "%s %s: %d generation(s), n=%d best_of=%d", route, meta.id, num, fanout.n, fanout.best_of
+    )
+    return admitted
 
 
 @contextlib.contextmanager
@@ -225,9 +211,10 @@ async def answer_chat(
         prompt = render_prompt(state, body)
         extra = openai_sampling(body.presence_penalty, body.logit_bias, state.tokenizer.vocab_size)
         params = fanout.choice_parameters(chat_parameters(body))
-        generations, held = await admit(
+        admitted = await admit_openai(
             state, "chat", meta, fanout, [prompt], params, extra, arrived_at
         )
+    generations, held = admitted.generations, admitted.held
     stop, has_logprobs = generations[0].params.stop, bool(body.logprobs)
     if body.stream:
         streams = [run(state, p, KEEPALIVE_S) for p in generations]
@@ -278,9 +265,10 @@ async def answer_completions(
         fanout = check_completion_request(body, state.settings.max_client_batch_size)
         extra = openai_sampling(body.presence_penalty, body.logit_bias, state.tokenizer.vocab_size)
         params = fanout.choice_parameters(completion_parameters(body))
-        generations, held = await admit(
+        admitted = await admit_openai(
             state, "completions", meta, fanout, prompts, params, extra, arrived_at
         )
+    generations, held = admitted.generations, admitted.held
     num_characters = sum(len(prompt) for prompt in prompts)
     stop = generations[0].params.stop
     if body.stream:

@@ -42,25 +42,24 @@ class ChoiceStream:
     tokens: list[Token] = field(default_factory=list)  # this step's token, for its logprobs
 
     def advance(self, item: Token | Finished) -> str:
-        """The text this item lets the choice show; records the finish."""
-        finished = item if isinstance(item, Finished) else item.finished
-        self.tokens = [item] if isinstance(item, Token) else []
-        if finished is None:
-            return self.holdback.push(visible_text(item))  # type: ignore[arg-type]
-        self.finished = finished
-        return self.holdback.finish(finished)
+        """The text this item lets the choice show; records the end."""
+        if isinstance(item, Token):
+            self.tokens = [item]
+            return self.holdback.push(visible_text(item))
+        self.tokens = [item.last_token] if item.last_token else []
+        self.finished = item
+        return self.holdback.finish(item)
 
 
 async def choice_updates(
     streams: list[AsyncIterator[Item]], stop: list[str], keepalive_s: float
 ) -> AsyncIterator[tuple[int, ChoiceStream, str] | None]:
-    """(choice index, its state, the text to show) per token or finish; None for a keep-alive.
-    A Finished that follows its choice's last token adds nothing and is skipped."""
+    """(choice index, its state, the text to show) per token or end; None for a keep-alive."""
     choices = [ChoiceStream(StopHoldback(stop)) for _ in streams]
     async for index, item in merge(streams, keepalive_s):
         if isinstance(item, KeepAlive):
             yield None
-        elif choices[index].finished is None:
+        else:
             choice = choices[index]
             yield index, choice, choice.advance(item)
 

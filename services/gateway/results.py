@@ -1,5 +1,6 @@
 """A generation as the routes see it: the request ready to send (`Prepared`) and what
-`Generator.stream()` yields for it (`Token`s, one `Finished`, `KeepAlive` while quiet)."""
+`Generator.stream()` yields for it: `Token`s, then one `Finished` (the end, holding the last
+token), and `KeepAlive` while quiet."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ class Token:
     logprob: float | None
     special: bool
     top_tokens: list[Token] = field(default_factory=list)
-    finished: Finished | None = None  # set on the last token of the generation
 
 
 @dataclass
@@ -37,6 +37,9 @@ class Finished:
     total_s: float
     prefill: list[Token] = field(default_factory=list)  # prompt tokens, if asked (no `special`)
     stop_sequence: str | None = None  # the stop string that ended it (generated_text's end)
+    # the token that ended it, yielded only here; None when the end came without one (a
+    # replayed request whose last token was already delivered)
+    last_token: Token | None = None
 
     @property
     def text_before_stop(self) -> str:

@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import random
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
-import msgspec
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.gateway.admission import admit
 from services.gateway.auth import is_authorized
 from services.gateway.body import read_json
-from services.gateway.errors import BodyError, GatewayError, ValidationError, overloaded
-from services.gateway.fanout import collect
+from services.gateway.errors import BodyError, GatewayError
+from services.gateway.fanout import collect, gather_or_fail
 from services.gateway.formatting import (
     mean_logprob,
     sequence_details,
@@ -34,13 +32,9 @@ from services.gateway.formatting import (
 from services.gateway.results import Finished, KeepAlive, Prepared, Token
 from services.gateway.schemas import CompatBody, GenerateBody
 from services.gateway.state import GatewayState
-from services.gateway.tokenizer import TokenizerError
 from services.gateway.validation import (
-    MAX_SEED,
     ValidatedParameters,
     check_gates,
-    check_lengths,
-    validate_parameters,
 )
 
 T = TypeVar("T")
@@ -62,31 +56,6 @@ def unauthorized(state: GatewayState, request: Request) -> Response | None:
     return GatewayError(401, "Unauthorized: missing or wrong API key", "unauthorized").response(
         headers={"WWW-Authenticate": "Bearer"}
     )
-
-
-async def prepare(
-    state: GatewayState,
-    inputs: str,
-    params: ValidatedParameters,
-    arrived_at: float,
-    add_special_tokens: bool = True,
-) -> Prepared:
-    """Tokenize (BOS added unless told not to, left truncation) and apply the length rules."""
-    encode, truncate = state.tokenizer.encode, params.truncate
-    try:
-        if len(inputs) > 10_000:  # long prompts tokenize off the event loop
-            input_ids = await asyncio.to_thread(encode, inputs, truncate, add_special_tokens)
-        else:
-            input_ids = encode(inputs, truncate, add_special_tokens)
-    except TokenizerError as exc:
-        raise ValidationError(f"tokenizer error {exc}", param="inputs") from exc
-    max_new_tokens = check_lengths(len(input_ids), params.max_new_tokens, state.limits)
-    return Prepared(inputs, input_ids, params, max_new_tokens, arrived_at)
-
-
-def with_new_seed(params: ValidatedParameters) -> ValidatedParameters:
-    seed = random.SystemRandom().randint(0, MAX_SEED)
-    return dataclasses.replace(params, sampling=msgspec.structs.replace(params.sampling, seed=seed))
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
@@ -117,34 +86,27 @@ async def run_generate(
     default_full_text: bool,
     as_list: bool,
 ) -> Response:
-    """Non-streaming generation, best_of included."""
+    """Non-streaming generation, best_of included (its runs differ by their random seeds)."""
     state.metrics.request_started()
     params = body.parameters
     try:
         best_of = check_gates(params, state.limits, is_stream=False)
-        if not state.admission.try_acquire(best_of):
-            raise overloaded()
+        admitted = await admit(state, [body.inputs], [params] * best_of, arrived_at)
         try:
-            validated = validate_parameters(params, body.inputs, state.limits)
-            prepared = await prepare(state, body.inputs, validated, arrived_at)
-            runs = [prepared] + [
-                dataclasses.replace(prepared, params=with_new_seed(validated))
-                for _ in range(best_of - 1)
-            ]
-            results = await until_disconnect(
-                request, asyncio.gather(*(collect(state.generator.stream(run)) for run in runs))
-            )
+            runs = [collect(state.generator.stream(p)) for p in admitted.generations]
+            results = await until_disconnect(request, gather_or_fail(runs))
         finally:
-            state.admission.release(best_of)
+            admitted.held.release()
     except GatewayError as exc:
         state.metrics.request_failed(exc.metric_label)
         return exc.response()
     if results is None:  # the client went away; nobody reads this
         return Response(status_code=499)
-    full_text = (
-        default_full_text if validated.return_full_text is None else (validated.return_full_text)
+    validated = admitted.generations[0].params
+    full_text = validated.return_full_text
+    answer, finished = generate_answer(
+        results, body.inputs, validated, default_full_text if full_text is None else full_text
     )
-    answer, finished = generate_answer(results, body.inputs, validated, full_text)
     headers = timing_headers(finished, state.compute_type, len(body.inputs))
     return JSONResponse([answer] if as_list else answer, headers=headers)
 
@@ -177,50 +139,44 @@ def generate_answer(
 async def sse_events(
     state: GatewayState, body: GenerateBody, arrived_at: float, default_full_text: bool
 ) -> AsyncIterator[str]:
-    """The SSE body of a streaming generation; every failure becomes one error event."""
+    """The SSE body of a streaming generation; every failure, admission's included, becomes
+    one error event (TGI answers 200 once a stream is asked for)."""
     state.metrics.request_started()
     params = body.parameters
     try:
         check_gates(params, state.limits, is_stream=True)
-        if not state.admission.try_acquire(1):
-            raise overloaded()
+        admitted = await admit(state, [body.inputs], [params], arrived_at)
         try:
-            validated = validate_parameters(params, body.inputs, state.limits)
-            prepared = await prepare(state, body.inputs, validated, arrived_at)
-            full_text = (
-                default_full_text
-                if validated.return_full_text is None
-                else (validated.return_full_text)
-            )
-            async for chunk in token_events(state, prepared, full_text):
+            (prepared,) = admitted.generations
+            full_text = prepared.params.return_full_text
+            default = default_full_text if full_text is None else full_text
+            async for chunk in token_events(state, prepared, default):
                 yield chunk
         finally:
-            state.admission.release(1)
+            admitted.held.release()
     except GatewayError as exc:
         state.metrics.request_failed(exc.metric_label)
         yield sse(exc.body())
 
 
 async def token_events(state: GatewayState, prepared: Prepared, full_text: bool):
+    """One event per token; the last one also has the text and the details."""
     params = prepared.params
     prefix = prepared.inputs if full_text else ""
     last: Token | None = None
     async for item in state.generator.stream(prepared, keepalive_s=KEEPALIVE_S):
         if isinstance(item, KeepAlive):
             yield ":\n\n"
-            continue
-        finished = item.finished if isinstance(item, Token) else item
-        if isinstance(item, Token):
+        elif isinstance(item, Token):
             last = item
-        if finished is None:
             yield sse(stream_event(item, params.top_n_tokens, None, None))
-            continue
-        if isinstance(item, Token) or last is not None:  # tokenless finish: repeat the last
-            details = stream_details(finished) if params.has_details else None
-            yield sse(
-                stream_event(last, params.top_n_tokens, prefix + finished.generated_text, details)
-            )
-        return
+        else:  # the end; one without a token repeats the last token's event
+            final = item.last_token or last
+            if final is not None:
+                details = stream_details(item) if params.has_details else None
+                text = prefix + item.generated_text
+                yield sse(stream_event(final, params.top_n_tokens, text, details))
+            return
 
 
 def stream_response(

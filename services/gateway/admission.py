@@ -1,0 +1,126 @@
+"""Admission: the one path from a decoded request to generations ready to send, for every route
+(TGI's, OpenAI's, SageMaker's, Vertex's).
+
+Each dialect first applies its own request rules (TGI's gates, OpenAI's n/best_of/echo rules,
+the chat template); then `admit` runs TGI's order for all of them: the concurrency slots
+(one per generation, all or none: 429 otherwise), each generation's parameters validated, each
+prompt tokenized once with the length rules. What comes out is one `Prepared` per generation,
+prompt by prompt, and the slots they hold until their answer ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from services.gateway.errors import ValidationError, overloaded
+from services.gateway.results import Prepared
+from services.gateway.schemas import GenerateParameters
+from services.gateway.tokenizer import TokenizerError
+from services.gateway.validation import ValidatedParameters, check_lengths, validate_parameters
+
+if TYPE_CHECKING:
+    from services.gateway.state import GatewayState
+
+LONG_PROMPT_CHARS = 10_000  # longer prompts tokenize off the event loop
+
+
+class Admission:
+    """The per-gateway concurrency gate (TGI's max_concurrent_requests semaphore, no waiting)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.num_in_flight = 0
+
+    def hold(self, num: int) -> Held:
+        """`num` slots at once, or none: raises 429 overloaded."""
+        if self.num_in_flight + num > self.limit:
+            raise overloaded()
+        self.num_in_flight += num
+        return Held(self, num)
+
+
+class Held:
+    """Slots taken from an Admission; `release` gives them back once, however often called."""
+
+    def __init__(self, admission: Admission, num: int):
+        self.admission = admission
+        self.num = num
+
+    def release(self) -> None:
+        if self.num:
+            self.admission.num_in_flight = max(0, self.admission.num_in_flight - self.num)
+            self.num = 0
+
+
+@dataclasses.dataclass
+class Admitted:
+    """A request admitted: its generations, prompt by prompt, and their slots."""
+
+    generations: list[Prepared]
+    held: Held
+
+
+async def admit(
+    state: GatewayState,
+    prompts: list[str],
+    choice_params: list[GenerateParameters],
+    arrived_at: float,
+    *,
+    add_special_tokens: bool = True,
+    sampling_overrides: dict[str, Any] | None = None,
+    response_id: str = "",
+) -> Admitted:
+    """One generation per prompt and entry of `choice_params`; raises GatewayError (the slots
+    taken are given back). `add_special_tokens`: False for chat prompts, whose template wrote
+    them; `sampling_overrides`: SamplingParams fields a dialect sets beyond TGI's parameters."""
+    held = state.admission.hold(len(prompts) * len(choice_params))
+    try:
+        generations: list[Prepared] = []
+        for prompt in prompts:
+            validated = [
+                overridden(validate_parameters(params, prompt, state.limits), sampling_overrides)
+                for params in choice_params
+            ]
+            first = await prepare(
+                state, prompt, validated[0], arrived_at, add_special_tokens, response_id
+            )
+            generations += [first] + [dataclasses.replace(first, params=v) for v in validated[1:]]
+    except BaseException:
+        held.release()
+        raise
+    return Admitted(generations, held)
+
+
+def overridden(
+    params: ValidatedParameters, overrides: dict[str, Any] | None
+) -> ValidatedParameters:
+    if not overrides:
+        return params
+    sampling = msgspec.structs.replace(params.sampling, **overrides)
+    return dataclasses.replace(params, sampling=sampling)
+
+
+async def prepare(
+    state: GatewayState,
+    inputs: str,
+    params: ValidatedParameters,
+    arrived_at: float,
+    add_special_tokens: bool,
+    response_id: str,
+) -> Prepared:
+    """Tokenize (special tokens added unless told not to, left truncation) and apply the
+    length rules."""
+    encode, truncate = state.tokenizer.encode, params.truncate
+    try:
+        if len(inputs) > LONG_PROMPT_CHARS:
+            input_ids = await asyncio.to_thread(encode, inputs, truncate, add_special_tokens)
+        else:
+            input_ids = encode(inputs, truncate, add_special_tokens)
+    except TokenizerError as exc:
+        raise ValidationError(f"tokenizer error {exc}", param="inputs") from exc
+    max_new_tokens = check_lengths(len(input_ids), params.max_new_tokens, state.limits)
+    return Prepared(inputs, input_ids, params, max_new_tokens, arrived_at, response_id)
