@@ -27,7 +27,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.replies import ReplyRouter
 from services.gateway.results import Finished, KeepAlive, Prepared, Token
 from services.gateway.tokenizer import TextTokenizer
-from shared.bus import stream_fields
+from shared.bus import FIELD
 from shared.channels import Channels
 from shared.codec import encode
 from shared.messages import (
@@ -41,6 +41,15 @@ from shared.telemetry import inject_traceparent, tracer
 
 log = logging.getLogger(__name__)
 REDIS_TIMEOUT_S = 2.0  # a Redis call slower than this is treated as Redis being unreachable
+# Intake in one round trip: the queue-length check and the XADD, atomically. KEYS: every lane,
+# then the lane to add to; ARGV: the most entries the lanes may hold, the field, the message.
+# Replies the new entry's id, or false when the queue is full.
+ENQUEUE = """
+local waiting = 0
+for i = 1, #KEYS - 1 do waiting = waiting + redis.call('XLEN', KEYS[i]) end
+if waiting > tonumber(ARGV[1]) then return false end
+return redis.call('XADD', KEYS[#KEYS], '*', ARGV[2], ARGV[3])
+"""
 
 
 class DeadlineExceeded(GatewayError):
@@ -89,6 +98,7 @@ class Generator:
         self.request_timeout = request_timeout
         self.max_queue_length = max_queue_length
         self.max_queue_wait = max_queue_wait  # seconds to the first event; None: the deadline
+        self._enqueue = client.register_script(ENQUEUE)
         self._background: set[asyncio.Task] = set()
         self.num_queued = 0  # requests sent and waiting for their first event
         self.num_running = 0  # requests with at least one event
@@ -160,16 +170,16 @@ class Generator:
     async def _send(self, message: GenerateRequest) -> None:
         if not self.router.is_subscribed:
             raise unavailable("not connected to Redis (reply channel not subscribed)")
+        keys = [*self.channels.lanes, self.channels.lane(message.priority)]
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
-                async with self.client.pipeline(transaction=False) as pipe:
-                    for lane in self.channels.lanes:
-                        pipe.xlen(lane)
-                    if sum(await pipe.execute()) > self.max_queue_length:
-                        raise overloaded()
-                await self.client.xadd(self.channels.lane(message.priority), stream_fields(message))
+                entry_id = await self._enqueue(
+                    keys=keys, args=[self.max_queue_length, FIELD, encode(message)]
+                )
         except (RedisError, OSError, TimeoutError) as exc:
             raise unavailable(f"Redis unreachable ({type(exc).__name__}: {exc})") from exc
+        if entry_id is None:
+            raise overloaded()
         self.metrics.max_new_tokens.observe(message.stopping.max_new_tokens)
 
     async def _next_event(

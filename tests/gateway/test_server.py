@@ -339,3 +339,31 @@ async def test_deadline_and_stream_disconnect_abort(settings, peer, redis_url, n
     finally:
         await pubsub.aclose()
         await listener.aclose()
+
+
+async def test_a_full_queue_is_429_and_intake_is_one_round_trip(settings, peer, redis_url):
+    """The queue-length check and the XADD are one script call (they were an XLEN per lane,
+    then the XADD): with --max-queue-length 2, the lanes holding 3 entries refuse the next."""
+    settings = settings.model_copy(update={"max_queue_length": 2})
+    client = aioredis.from_url(redis_url)
+
+    async def calls(command: str) -> int:
+        stats = await client.info("commandstats")
+        return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+    try:
+        with serve(settings) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+                body = {"inputs": "a", "parameters": {"max_new_tokens": 1}}
+                before = {c: await calls(c) for c in ("evalsha", "eval", "xadd", "xlen")}
+                for _ in range(3):  # the stand-in worker leaves every entry in the stream
+                    assert (await http.post("/generate", json=body)).status_code == 200
+                full = await http.post("/generate", json=body)
+                assert full.status_code == 429 and full.json()["error_type"] == "overloaded"
+                after = {c: await calls(c) for c in before}
+    finally:
+        await client.aclose()
+    assert after["xadd"] - before["xadd"] == 3
+    assert after["evalsha"] - before["evalsha"] == 4  # one call per request, refused or not
+    assert after["eval"] - before["eval"] <= 1  # the script's source, sent once (NOSCRIPT)
+    assert after["xlen"] - before["xlen"] == 4 * 3  # inside the script, one per lane
