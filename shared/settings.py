@@ -75,8 +75,16 @@ class Settings(BaseSettings):
         None, description="KV-cache capacity in tokens; default: from the worker's memory budget"
     )
     max_batch_size: int = Field(256, description="requests per step")
-    waiting_served_ratio: float = 0.3
-    max_waiting_tokens: int = 20
+    waiting_served_ratio: float = Field(
+        0.3,
+        description="accepted for compatibility with TGI (and shown in /info); changes nothing: "
+        "chunked prefill admits waiting requests into every step's token budget",
+    )
+    max_waiting_tokens: int = Field(
+        20,
+        description="accepted for compatibility with TGI (and shown in /info); changes nothing: "
+        "chunked prefill admits waiting requests into every step's token budget",
+    )
     block_size: int = Field(16, description="tokens per KV-cache block")
     disable_prefix_caching: bool = Field(
         False, description="do not reuse KV blocks of equal prompt prefixes"

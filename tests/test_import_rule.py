@@ -1,4 +1,8 @@
-"""Services import `shared`, never each other; `shared` imports no service; the gateway and the
+"""The import rule. The running services (gateway, scheduler, worker) import `shared`, never
+each other, so each can be deployed and scaled alone; the composers put services together in
+one process: the launcher (its CLI dispatches to each service, and it starts them all), the
+in-process engine (scheduler and worker by direct calls) and the bench (it launches the
+server and runs the engine beside it). `shared` imports no service. The gateway and the
 scheduler never import torch (checked on the source, and by importing them in a clean
 interpreter)."""
 
@@ -24,17 +28,23 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-def test_services_import_only_shared_and_themselves():
+RUNNING = {"gateway", "scheduler", "worker"}  # deployed alone: they import only `shared`
+COMPOSERS = {  # what each composer may import besides itself and `shared`
+    "launcher": RUNNING | {"bench"},  # `textgen bench` is one of its commands
+    "engine": {"scheduler", "worker"},
+    "bench": {"engine", "launcher"},
+}
+
+
+def test_services_import_only_shared_and_what_they_compose():
+    assert set(SERVICES) == RUNNING | set(COMPOSERS)  # a new package states its place here
     offenders = []
     for service in SERVICES:
+        allowed = {service} | COMPOSERS.get(service, set())
         for path in (REPO / "services" / service).rglob("*.py"):
             for name in imported_modules(path):
                 parts = name.split(".")
-                if parts[0] == "services" and len(parts) > 1 and parts[1] != service:
-                    if service == "launcher" and path.name == "cli.py":
-                        continue  # the CLI dispatches to each service's run()
-                    if service == "engine" and parts[1] in ("scheduler", "worker"):
-                        continue  # the in-process engine composes scheduler and worker
+                if parts[0] == "services" and len(parts) > 1 and parts[1] not in allowed:
                     offenders.append(f"{path.relative_to(REPO)} imports {name}")
     assert offenders == []
 

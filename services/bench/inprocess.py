@@ -1,35 +1,17 @@
 """`--compare-inprocess`: the same prompts through the in-process engine (scheduler and runner
 by direct calls, no Redis, no HTTP), all queued at once: the broker path's ceiling.
 
-The engine is another service's package, so it is looked up by name at run time and only
-when asked for: no import statement names it (services import `shared` only), and the bench
-keeps working, answering "not available yet", wherever it is absent."""
+The bench composes services, as the launcher and the engine do (tests/test_import_rule.py):
+it imports the engine, only when asked to run it (the engine loads torch)."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import time
 from pathlib import Path
 from typing import Any
 
 from services.bench.stats import Summary
 from services.bench.workload import Case
-
-ENGINE_MODULE = "services.engine"
-
-
-def find_engine() -> Any | None:
-    """The `Engine` class when services.engine provides one, else None."""
-    try:
-        if importlib.util.find_spec(ENGINE_MODULE) is None:
-            return None
-    except ModuleNotFoundError:
-        return None
-    return getattr(importlib.import_module(ENGINE_MODULE), "Engine", None)
-
-
-NOT_AVAILABLE = {"available": False, "message": "in-process engine not available yet"}
 
 
 class InProcess:
@@ -83,27 +65,16 @@ class InProcess:
         }
 
 
-def load_inprocess(model_dir: Path, speculate: int = 0) -> InProcess | None:
-    """The engine on `model_dir`, warmed up; None where services.engine is absent."""
-    engine_class = find_engine()
-    if engine_class is None:
-        return None
-    return InProcess(engine_class(str(model_dir), speculate=speculate), speculate)
+def load_inprocess(model_dir: Path, speculate: int = 0) -> InProcess:
+    """The engine on `model_dir`, warmed up."""
+    from services.engine import Engine
 
-
-def run_inprocess(
-    model_dir: Path, cases: list[Case], concurrency: int | None = None, speculate: int = 0
-) -> dict[str, Any]:
-    """One run of `InProcess.run` on a fresh engine; NOT_AVAILABLE without an engine."""
-    inprocess = load_inprocess(model_dir, speculate)
-    return dict(NOT_AVAILABLE) if inprocess is None else inprocess.run(cases, concurrency)
+    return InProcess(Engine(str(model_dir), speculate=speculate), speculate)
 
 
 def run_ceiling(model_dir: Path) -> dict[str, Any]:
     """services.bench.ceiling's decode measurement on the in-process engine."""
-    engine_class = find_engine()
-    if engine_class is None:
-        return dict(NOT_AVAILABLE)
     from services.bench.ceiling import decode_ceiling
+    from services.engine import Engine
 
-    return decode_ceiling(engine_class, model_dir)
+    return decode_ceiling(Engine, model_dir)

@@ -25,7 +25,7 @@ from typing import Any
 from services.bench import cpu
 from services.bench.arrivals import poisson_arrivals
 from services.bench.client import LevelRun, run_closed_loop, run_open_loop
-from services.bench.inprocess import NOT_AVAILABLE, load_inprocess, run_ceiling
+from services.bench.inprocess import load_inprocess, run_ceiling
 from services.bench.placement import Placement
 from services.bench.plot import MISSING, can_plot, plot
 from services.bench.progress import Progress
@@ -317,8 +317,6 @@ def compare_inprocess(
     compute = args.placement.compute
     with compute():
         inprocess = load_inprocess(model_dir, args.speculate)
-    if inprocess is None:
-        return dict(NOT_AVAILABLE), []
     before, started = cpu.snapshot(served.pid), time.perf_counter()
     with compute():
         baseline = inprocess.run(cases, concurrency)

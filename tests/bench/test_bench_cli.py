@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from services.bench import inprocess
 from services.bench.plot import MISSING, can_plot
 from services.launcher.cli import main
 
@@ -77,13 +76,6 @@ def test_rounds_pair_the_server_with_the_inprocess_engine(stories_model):
         )
     ratios = sorted(r["ratio"] for r in rounds)
     assert report["rounds"]["median"]["ratio"] == ratios[1]
-
-
-def test_inprocess_seam_without_engine(monkeypatch, tmp_path):
-    monkeypatch.setattr(inprocess, "ENGINE_MODULE", "services.no_such_engine")
-    assert inprocess.find_engine() is None
-    answer = inprocess.run_inprocess(tmp_path, [])
-    assert answer == {"available": False, "message": "in-process engine not available yet"}
 
 
 def test_plot_without_matplotlib_says_how_to_get_it(capsys, stories_model, tmp_path):
