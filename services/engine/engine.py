@@ -13,11 +13,9 @@ from typing import Any
 
 from services.scheduler.request import SchedRequest
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
-from services.worker.fallback import make_runner
-from services.worker.flash_attention import flash_block_size
-from services.worker.kv_cache import PagedKVCache, default_budget, plan_num_blocks
 from services.worker.loader import LoadedModel, load_model
 from services.worker.runner import StepOutcome
+from services.worker.runtime import build_runner, ready_message
 from shared.messages import FinishReason, GenerateRequest, SamplingParams, StoppingParams
 
 
@@ -72,26 +70,21 @@ class Engine:
                 model_id, dtype=dtype, device=device, quantize=quantize, cpu_kernels=cpu_kernels
             )
         )
-        is_paged = self.loaded.runner == "paged"
-        block_size = flash_block_size(
-            block_size, self.loaded.device, self.loaded.cache_shape, is_paged=is_paged
+        self.runner = build_runner(
+            self.loaded,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_cache_memory=kv_cache_memory,
+            max_batch_size=max_batch_size,
+            speculate=speculate,
         )
-        if num_blocks is None:
-            budget = kv_cache_memory or default_budget(self.loaded.device)
-            max_tokens = max_batch_size * self.loaded.max_model_len
-            num_blocks = plan_num_blocks(self.loaded.cache_shape, block_size, budget, max_tokens)
-        cache = PagedKVCache(
-            self.loaded.cache_shape, num_blocks, block_size, self.loaded.device, allocate=is_paged
+        # the scheduler service's policy (watermark included) for this runner, as announced
+        ready = ready_message(
+            self.runner, self.loaded, group="engine", model_id="", max_batch_size=max_batch_size
         )
-        self.runner = make_runner(self.loaded, cache, speculate)
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                num_blocks=num_blocks,
-                block_size=block_size,
-                max_batch_prefill_tokens=max_batch_prefill_tokens,
-                max_batch_size=max_batch_size,
-                enable_prefix_caching=enable_prefix_caching and is_paged,
-                num_speculative_tokens=self.runner.num_speculative_tokens,
+            SchedulerConfig.for_worker(
+                ready, max_batch_prefill_tokens, max_batch_size, enable_prefix_caching
             ),
             clock=time.time,
         )

@@ -28,6 +28,7 @@ from shared.messages import (
     SchedulerStats,
     StepPlan,
     StepResult,
+    WorkerReady,
 )
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,27 @@ class SchedulerConfig:
     watermark_blocks: int = 0  # blocks kept free when admitting, so decodes rarely preempt
     enable_prefix_caching: bool = True  # reuse cached blocks of equal prompt prefixes
     num_speculative_tokens: int = 0  # n-gram proposals the worker may add to a greedy decode
+
+    @classmethod
+    def for_worker(
+        cls,
+        ready: WorkerReady,
+        max_batch_prefill_tokens: int,
+        max_batch_size: int,
+        enable_prefix_caching: bool = True,
+    ) -> SchedulerConfig:
+        """The policy for a worker group as it announced itself (the scheduler service and
+        the in-process engine both plan with this): its blocks, a watermark of 1% of them,
+        prefix caching only where attention reads the paged cache."""
+        return cls(
+            num_blocks=ready.num_blocks,
+            block_size=ready.block_size,
+            max_batch_prefill_tokens=max_batch_prefill_tokens,
+            max_batch_size=min(max_batch_size, ready.max_batch_size),
+            watermark_blocks=max(1, ready.num_blocks // 100),
+            enable_prefix_caching=enable_prefix_caching and ready.runner == "paged",
+            num_speculative_tokens=ready.num_speculative_tokens,
+        )
 
 
 @dataclass

@@ -135,16 +135,11 @@ class SchedulerService:
                 task.cancel()
 
     async def _start_session(self, ready: WorkerReady) -> None:
-        config = SchedulerConfig(
-            num_blocks=ready.num_blocks,
-            block_size=ready.block_size,
-            max_batch_prefill_tokens=self.settings.max_batch_prefill_tokens,
-            max_batch_size=min(self.settings.max_batch_size, ready.max_batch_size),
-            watermark_blocks=max(1, ready.num_blocks // 100),
-            enable_prefix_caching=(
-                not self.settings.disable_prefix_caching and ready.runner == "paged"
-            ),
-            num_speculative_tokens=ready.num_speculative_tokens,
+        config = SchedulerConfig.for_worker(
+            ready,
+            self.settings.max_batch_prefill_tokens,
+            self.settings.max_batch_size,
+            enable_prefix_caching=not self.settings.disable_prefix_caching,
         )
         for lane in self.channels.lanes:
             await ensure_group(self.redis, lane, SCHEDULER_GROUP)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from services.worker.kv_cache import CacheShape
+from services.worker.backends import ForwardBackend, PackedBatch
+from services.worker.kv_cache import CacheShape, PagedKVCache
 from services.worker.loader import LoadedModel
-from services.worker.runner import ModelRunner, PackedBatch
 from shared.model_files import context_length, eos_token_ids, read_json, resolve_model_dir
 
 FAKE_SHAPE = CacheShape(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
@@ -31,18 +31,21 @@ def fake_model(model_id: str, revision: str | None = None) -> LoadedModel:
     )
 
 
-class FakeRunner(ModelRunner):
-    """ModelRunner whose forward pass sleeps `step_ms` and favours one non-EOS token per row."""
+class Simulated(ForwardBackend):
+    """A forward pass that sleeps `step_ms` and favours one non-EOS token per sampling row."""
 
-    def __init__(self, *args, step_ms: float, vocab_size: int, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    can_speculate = False
+    uses_paged_cache = False
+
+    def __init__(self, step_ms: float, vocab_size: int, eos_token_ids: list[int]) -> None:
         # no real compute here: one thread, so no OpenMP team spins between the tiny tensor
         # ops of each step (it cost a third of a core per simulated group)
         torch.set_num_threads(1)
         self.step_s = step_ms / 1000
         self.vocab_size = vocab_size
+        self.eos_token_ids = set(eos_token_ids)
 
-    def _forward(self, batch: PackedBatch) -> torch.Tensor:
+    def forward(self, batch: PackedBatch, kv_cache: PagedKVCache, rows: list[int]) -> torch.Tensor:
         time.sleep(self.step_s)
         logits = torch.zeros(len(batch.sampling), self.vocab_size)
         for row, state in enumerate(batch.sampling):
@@ -50,7 +53,8 @@ class FakeRunner(ModelRunner):
             while token_id in self.eos_token_ids:
                 token_id = (token_id + 1) % self.vocab_size
             logits[row, token_id] = 10.0
-        return logits
+        unscored = torch.full((len(batch.prompt_rows), self.vocab_size), float("nan"))
+        return torch.cat([logits, unscored])  # prompt logprobs do not exist here
 
 
 def vocab_size_of(folder: Path) -> int:

@@ -1,6 +1,6 @@
-"""The fallback runner, for decoder-only models whose transformers code does not route
-attention through the attention interface (ALiBi models such as BLOOM and MPT, Falcon), so they
-cannot read the paged KV cache.
+"""The fallback backends, for models that cannot read the paged KV cache: decoder-only models
+whose transformers code does not route attention through the attention interface (ALiBi
+models such as BLOOM and MPT, Falcon) and encoder-decoders (T5).
 
 Scheduling is unchanged: requests join and leave the batch at every step, prompts are
 prefilled in chunks, KV blocks are accounted for (sized from the model's real per-token KV
@@ -14,32 +14,39 @@ from __future__ import annotations
 import bisect
 import inspect
 from collections import defaultdict
+from collections.abc import Iterable
 
 import torch
 
-from services.worker.loader import FALLBACK, SEQ2SEQ
-from services.worker.runner import ModelRunner, PackedBatch
+from services.worker.backends import ForwardBackend, PackedBatch
+from services.worker.kv_cache import PagedKVCache
 
 
-class FallbackRunner(ModelRunner):
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs["num_speculative_tokens"] = 0
-        super().__init__(*args, **kwargs)
+class OwnCache(ForwardBackend):
+    """Each request runs alone on the model's own cache (a DynamicCache per request, kept
+    between steps); only the wanted rows go through the lm_head."""
+
+    can_speculate = False
+    uses_paged_cache = False
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
         self.caches: dict[str, object] = {}  # request id -> its DynamicCache
-        base = self.model.base_model
-        self._takes_positions = "position_ids" in inspect.signature(base.forward).parameters
+        self._takes_positions = (
+            "position_ids" in inspect.signature(model.base_model.forward).parameters
+        )
 
-    def _drop_finished_caches(self) -> None:
-        for request_id in [r for r in self.caches if r not in self.requests]:
+    def release(self, live_request_ids: Iterable[str]) -> None:
+        live = set(live_request_ids)
+        for request_id in [r for r in self.caches if r not in live]:
             del self.caches[request_id]
 
     @torch.inference_mode()
-    def _forward(self, batch: PackedBatch) -> torch.Tensor:
+    def forward(self, batch: PackedBatch, kv_cache: PagedKVCache, rows: list[int]) -> torch.Tensor:
         from transformers import DynamicCache
 
-        self._drop_finished_caches()
-        query_start = batch.metadata.query_start
-        rows = batch.sample_rows.tolist() + batch.draft_rows + batch.prompt_rows
+        query_start = batch.query_start
         wanted: dict[int, list[tuple[int, int]]] = defaultdict(list)  # request -> (out, offset)
         for out_index, row in enumerate(rows):
             request = bisect.bisect_right(query_start, row) - 1
@@ -73,35 +80,33 @@ class FallbackRunner(ModelRunner):
                     logits[out_index] = row_logits
         if not rows:
             return torch.empty(0, device=self.device)
-        stacked = torch.stack(logits)  # type: ignore[arg-type]
-        num_kept = len(batch.sampling) + len(batch.draft_rows)
-        if batch.prompt_rows:
-            self._score_prompt(batch, stacked[num_kept:])
-        return stacked[:num_kept]
+        return torch.stack(logits)  # type: ignore[arg-type]
 
 
-class Seq2SeqRunner(FallbackRunner):
+class EncoderDecoder(OwnCache):
     """Encoder-decoder models on the same scheduling. The prompt is the encoder's input: its
     chunks cost nothing until the last one, where the encoder runs once over the whole prompt
     and the decoder starts; every later step feeds the decoder the last generated token.
     After preemption the decoder is rebuilt from the start token and the tokens generated so
     far. Prompt logprobs do not exist for such models (NaN)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        super().__init__(model, device)
         self.encoded: dict[str, torch.Tensor] = {}  # request id -> encoder output [1, len, d]
         self.start_token_id = int(self.model.config.decoder_start_token_id or 0)
 
-    def _drop_finished_caches(self) -> None:
-        super()._drop_finished_caches()
-        for request_id in [r for r in self.encoded if r not in self.requests]:
+    def release(self, live_request_ids: Iterable[str]) -> None:
+        live = set(live_request_ids)
+        super().release(live)
+        for request_id in [r for r in self.encoded if r not in live]:
             del self.encoded[request_id]
 
     @torch.inference_mode()
-    def _forward(self, batch: PackedBatch) -> torch.Tensor:
+    def forward(self, batch: PackedBatch, kv_cache: PagedKVCache, rows: list[int]) -> torch.Tensor:
         from transformers import DynamicCache, EncoderDecoderCache
 
-        self._drop_finished_caches()
+        if batch.draft_rows:
+            raise RuntimeError("speculation is off for encoder-decoder models")
         logits = []
         for state in batch.sampling:  # states that compute nothing else are prompt chunks
             cache = self.caches.get(state.request_id)
@@ -126,30 +131,8 @@ class Seq2SeqRunner(FallbackRunner):
                 use_cache=True,
             )
             logits.append(out.logits[0, -1])
-        if batch.draft_rows:
-            raise RuntimeError("speculation is off for encoder-decoder models")
-        if batch.prompt_rows:
-            vocab = self.model.get_output_embeddings().out_features
-            nan = torch.full((len(batch.prompt_rows), vocab), float("nan"), device=self.device)
-            self._score_prompt(batch, nan)
+        vocab = self.model.get_output_embeddings().out_features
+        nan = torch.full((len(batch.prompt_rows), vocab), float("nan"), device=self.device)
         if not logits:
-            return torch.empty(0, device=self.device)
-        return torch.stack(logits)
-
-
-def make_runner(loaded, cache, num_speculative_tokens: int = 0) -> ModelRunner:
-    """The runner the loaded model needs (LoadedModel.runner: paged, fallback, seq2seq); the
-    paged runner forwards through the fast CPU decoder where that can run the model."""
-    runner_class = {FALLBACK: FallbackRunner, SEQ2SEQ: Seq2SeqRunner}.get(
-        loaded.runner, ModelRunner
-    )
-    extra = {"decoder": loaded.decoder} if runner_class is ModelRunner else {}
-    return runner_class(
-        loaded.model,
-        cache,
-        loaded.eos_token_ids,
-        loaded.max_model_len,
-        loaded.device,
-        num_speculative_tokens=num_speculative_tokens,
-        **extra,
-    )
+            return nan
+        return torch.cat([torch.stack(logits), nan.to(logits[0].dtype)])

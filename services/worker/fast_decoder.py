@@ -235,14 +235,17 @@ class FastDecoder:
 
 
 def build(
-    model: torch.nn.Module, device: torch.device, quantize: str | None, world_size: int
+    model: torch.nn.Module,
+    device: torch.device,
+    quantize: str | None,
+    world_size: int,
+    ops: kernels.CpuKernels | None,
 ) -> FastDecoder | None:
-    """The fast decoder for `model`, or None (with the reason logged) where it cannot run;
-    building it moves the model's linear weights into the decoder."""
+    """The fast decoder for `model` on the CPU kernels `ops`, or None (with the reason logged)
+    where it cannot run; building it moves the model's linear weights into the decoder."""
     reason = unsupported_reason(model, device, quantize, world_size)
-    ops = None if reason else kernels.load()
     if reason is None and ops is None:
-        reason = "the CPU kernels could not be built"
+        reason = "the CPU kernels are off (--disable-cpu-kernels) or could not be built"
     if reason is not None:
         log.info("fast CPU decoder not used: %s", reason)
         return None

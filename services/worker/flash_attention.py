@@ -74,12 +74,10 @@ def is_available(device: torch.device | str, shape: CacheShape | None = None) ->
     return _varlen_func() is not None
 
 
-def flash_block_size(
-    requested: int, device: torch.device | str, shape: CacheShape, *, is_paged: bool = True
-) -> int:
-    """The KV block size to allocate: where the paged runner will use flash-attn, `requested`
+def flash_block_size(requested: int, device: torch.device | str, shape: CacheShape) -> int:
+    """The KV block size to allocate: where flash-attn can read this cache, `requested`
     rounded up to a multiple of FLASH_BLOCK_SIZE (16 becomes 256); otherwise `requested`."""
-    if not is_paged or requested % FLASH_BLOCK_SIZE == 0 or not is_available(device, shape):
+    if requested % FLASH_BLOCK_SIZE == 0 or not is_available(device, shape):
         return requested
     block_size = -(-requested // FLASH_BLOCK_SIZE) * FLASH_BLOCK_SIZE
     log.info(
@@ -89,20 +87,6 @@ def flash_block_size(
         FLASH_BLOCK_SIZE,
     )
     return block_size
-
-
-def kernel_for(cache: PagedKVCache, device: torch.device) -> str:
-    """FLASH_ATTN when the paged forward pass over `cache` can run on flash-attn, else SDPA."""
-    is_allocated = bool(cache.keys) and cache.keys[0].shape[0] > 0
-    is_flash = (
-        is_allocated
-        and cache.block_size % FLASH_BLOCK_SIZE == 0
-        and is_available(device, cache.shape)
-    )
-    kernel = FLASH_ATTN if is_flash else SDPA
-    if is_allocated:
-        log.info("attention kernel: %s (KV blocks of %d tokens)", kernel, cache.block_size)
-    return kernel
 
 
 def make_metadata(

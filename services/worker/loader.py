@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from services.worker import fast_decoder, flash_attention, paged_attention
+from services.worker import fast_decoder, flash_attention, kernels, paged_attention
+from services.worker.kernels import CpuKernels
 from services.worker.kv_cache import CacheShape
 from services.worker.quantization import QuantizationError, quantization_config
 from shared.model_files import context_length, eos_token_ids, resolve_model_dir
@@ -35,6 +36,9 @@ class LoadedModel:
     # runs the paged forward pass instead of the model's modules (CPU; its linear weights moved
     # into it): services/worker/fast_decoder.py
     decoder: fast_decoder.FastDecoder | None = None
+    # textgen's CPU kernels (the fast decoder's, and greedy sampling's); None off the CPU,
+    # with --disable-cpu-kernels, or where they do not build
+    kernels: CpuKernels | None = None
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -177,9 +181,10 @@ def load_model(
         head_dim=head_dim,
         dtype=torch_dtype,
     )
+    ops = kernels.load() if cpu_kernels and target.type == "cpu" else None
     decoder = None
-    if runner == "paged" and cpu_kernels and not flash_attention.is_available(target, shape):
-        decoder = fast_decoder.build(model, target, quantize, world_size)
+    if runner == "paged" and not flash_attention.is_available(target, shape):
+        decoder = fast_decoder.build(model, target, quantize, world_size, ops)
     log.info(
         "loaded %s (%s%s, %s) from %s",
         model_id,
@@ -197,4 +202,5 @@ def load_model(
         device=target,
         runner=runner,
         decoder=decoder,
+        kernels=ops,
     )

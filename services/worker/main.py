@@ -19,11 +19,9 @@ from services.worker.distributed import (
     shard_rank,
 )
 from services.worker.fake import fake_model
-from services.worker.fallback import make_runner
-from services.worker.flash_attention import flash_block_size
-from services.worker.kv_cache import PagedKVCache
 from services.worker.loader import LoadedModel, UnsupportedModel, load_model, pick_device
 from services.worker.quantization import QuantizationError
+from services.worker.runtime import build_runner
 from services.worker.service import WorkerService
 from shared import aio
 from shared.bus import connect, wait_for_redis
@@ -118,12 +116,15 @@ def follow_rank_0(settings: Settings, rank: int) -> None:
     port = int(os.environ[PORT_ENV])
     shard = join_group(rank, settings.num_shard, port, pick_device(settings.device))
     loaded = _load(settings, str(shard.device))
-    num_blocks = broadcast_int(0)
-    block_size = flash_block_size(  # as rank 0 chose it
-        settings.block_size, loaded.device, loaded.cache_shape, is_paged=loaded.runner == "paged"
+    num_blocks = broadcast_int(0)  # as rank 0 sized its cache; the block size is the same rule
+    follow(
+        build_runner(
+            loaded,
+            block_size=settings.block_size,
+            num_blocks=num_blocks,
+            speculate=settings.speculate,
+        )
     )
-    cache = PagedKVCache(loaded.cache_shape, num_blocks, block_size, loaded.device)
-    follow(make_runner(loaded, cache, settings.speculate))
 
 
 def run(settings: Settings) -> None:

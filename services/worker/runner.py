@@ -1,8 +1,13 @@
-"""Executes StepPlans on a transformers model with the paged KV cache.
+"""Executes StepPlans: the one runner, whatever runs the forward pass.
 
 Input: a StepPlan (new requests in full, running ones as diffs). Output: a StepResult for the
-scheduler and TokenEvents grouped by reply channel for the gateways. The runner holds no
-Redis: `service.py` moves the messages.
+scheduler and TokenEvents grouped by reply channel for the gateways. A step: apply the plan,
+pack the scheduled tokens (PackedBatch), let the ForwardBackend picked at load compute the
+wanted rows' logits (services/worker/backends.py), sample, advance each request and decide
+its stops. The runner holds no Redis: `service.py` moves the messages.
+
+The interface its callers use: `execute(plan)`, `kv_cache`, `attention` (the backend's name),
+`num_speculative_tokens`, `requests` (held by id), `kernels` (the CPU kernels, or None).
 """
 
 from __future__ import annotations
@@ -10,20 +15,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from services.worker import flash_attention
-from services.worker.fast_decoder import FAST_DECODER, FastDecoder, StepTables
-from services.worker.int8_rows import isolate_int8_rows
+from services.worker.backends import ForwardBackend, PackedBatch
+from services.worker.kernels import CpuKernels
 from services.worker.kv_cache import PagedKVCache
-from services.worker.paged_attention import (
-    METADATA_KWARG,
-    AttentionMetadata,
-    make_decode_group,
-)
 from services.worker.sampling import Sampled, needs_own_row, sample_greedy_batch, sample_one
 from services.worker.speculation import accepted, propose
 from services.worker.state import RequestState, stop_reason
@@ -39,48 +37,32 @@ class StepOutcome:
     events: dict[str, list[TokenEvent]]  # reply channel -> events of its requests
 
 
-@dataclass
-class PackedBatch:
-    input_ids: torch.Tensor  # [1, num_tokens]
-    position_ids: torch.Tensor  # [1, num_tokens]
-    metadata: AttentionMetadata
-    sample_rows: torch.Tensor  # [num_sampling] packed index of each sampling request's last token
-    sampling: list[RequestState]  # requests that sample this step, in row order
-    prompt_rows: list[int]  # packed rows whose logits score the next prompt token
-    prompt_targets: list[int]  # the prompt token each of prompt_rows scores
-    prompt_owners: list[RequestState]  # the request of each of prompt_rows
-    draft_rows: list[int]  # packed rows of speculative proposals (their logits verify)
-    draft_owners: list[RequestState]  # the request of each of draft_rows
-    states: list[RequestState]  # the scheduled requests, in packed order
-    tables: StepTables | None = None  # for the fast decoder, when it runs the model
-
-
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        backend: ForwardBackend,
         kv_cache: PagedKVCache,
         eos_token_ids: list[int],
         max_model_len: int,
         device: torch.device,
         num_speculative_tokens: int = 0,
-        decoder: FastDecoder | None = None,
+        kernels: CpuKernels | None = None,
     ) -> None:
-        self.model = model
-        self.decoder = decoder  # runs the forward pass instead of the model's modules if set
-        self.num_speculative_tokens = num_speculative_tokens  # n-gram proposals per step
+        self.backend = backend  # runs the forward pass
+        self.attention = backend.name  # "cpu-kernels", "flash-attn" or "sdpa": /info, metrics
+        # n-gram proposals per step, where the backend verifies them in the same pass
+        self.num_speculative_tokens = num_speculative_tokens if backend.can_speculate else 0
+        self.kernels = kernels  # the CPU kernels (greedy sampling), None where not built
         self.kv_cache = kv_cache
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
         self.device = device
         self.requests: dict[str, RequestState] = {}
-        self.int8_rows = isolate_int8_rows(model)  # None unless LLM.int8() layers
-        # "cpu-kernels", "flash-attn" or "sdpa"
-        self.attention = FAST_DECODER if decoder else flash_attention.kernel_for(kv_cache, device)
 
     def execute(self, plan: StepPlan) -> StepOutcome:
         started = time.perf_counter()
         scheduled = self._apply_plan(plan)
+        self.backend.release(self.requests)  # state of requests gone since the last step
         if not scheduled:
             return StepOutcome(StepResult(step_id=plan.step_id), {})
         try:
@@ -126,7 +108,6 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
-        context_slots: list[torch.Tensor] = []
         query_start = [0]
         context_lens: list[int] = []
         sample_rows: list[int] = []
@@ -136,8 +117,6 @@ class ModelRunner:
         prompt_owners: list[RequestState] = []
         draft_rows: list[int] = []
         draft_owners: list[RequestState] = []
-        # flash-attn and the fast decoder read neither the context slots nor the decode group
-        reads_tables = self.attention in (flash_attention.FLASH_ATTN, FAST_DECODER)
         for state in scheduled:
             start = state.num_computed_tokens
             end = start + state.num_scheduled_tokens
@@ -146,8 +125,6 @@ class ModelRunner:
             input_ids.extend(state.token_ids[start:end] + state.draft_ids)
             positions.extend(range(start, stop))
             slot_mapping.extend(self.kv_cache.slot_range(state.block_ids, start, stop))
-            if not reads_tables:  # [stop]
-                context_slots.append(self.kv_cache.slots(state.block_ids, stop).to(self.device))
             context_lens.append(stop)
             query_start.append(query_start[-1] + stop - start)
             if state.samples_this_step:
@@ -162,44 +139,13 @@ class ModelRunner:
                     prompt_rows.append(query_start[-2] + position - start)
                     prompt_targets.append(state.token_ids[position + 1])
                     prompt_owners.append(state)
-        decode_indices = [
-            i for i, s in enumerate(scheduled) if s.num_scheduled_tokens == 1 and not s.draft_ids
-        ]
-        metadata = AttentionMetadata(
-            kv_cache=self.kv_cache,
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
-            query_start=query_start,
-            context_lens=context_lens,
-            context_slots=context_slots,
-        )
-        tables = None
-        block_tables = [s.block_ids for s in scheduled]
-        if self.decoder is not None:  # built once per step, for every layer
-            tables = StepTables.build(
-                query_start,
-                context_lens,
-                block_tables,
-                self.kv_cache.block_size,
-                metadata.slot_mapping,
-            )
-        elif self.attention == flash_attention.FLASH_ATTN:
-            metadata.flash = flash_attention.make_metadata(
-                query_start, context_lens, block_tables, self.kv_cache.block_size, self.device
-            )
-        elif len(decode_indices) > 1:
-            metadata.decodes = make_decode_group(
-                [query_start[i] for i in decode_indices],
-                [scheduled[i].block_ids for i in decode_indices],
-                [context_lens[i] for i in decode_indices],
-                self.kv_cache.block_size,
-                self.device,
-            )
-            is_decode = set(decode_indices)
-            metadata.prefill_indices = [i for i in range(len(scheduled)) if i not in is_decode]
-        return PackedBatch(
+        batch = PackedBatch(
             input_ids=torch.tensor([input_ids], dtype=torch.long, device=self.device),
             position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
-            metadata=metadata,
+            query_start=query_start,
+            context_lens=context_lens,
+            block_tables=[s.block_ids for s in scheduled],
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
             sampling=sampling,
             prompt_rows=prompt_rows,
@@ -208,8 +154,9 @@ class ModelRunner:
             draft_rows=draft_rows,
             draft_owners=draft_owners,
             states=scheduled,
-            tables=tables,
         )
+        batch.prepared = self.backend.prepare(batch, self.kv_cache)  # once, for every layer
+        return batch
 
     def _drafts(self, state: RequestState, end: int) -> list[int]:
         """n-gram proposals for a plain greedy decode, as many as its blocks, its
@@ -229,33 +176,12 @@ class ModelRunner:
         )
         return propose(state.token_ids, room)
 
-    @torch.inference_mode()
     def _forward(self, batch: PackedBatch) -> torch.Tensor:
-        """Logits of the sampling rows, then of the draft rows. [num_sampling + drafts, vocab]"""
-        extra = batch.draft_rows + batch.prompt_rows
-        if extra:
-            extra_rows = torch.tensor(extra, dtype=torch.long, device=self.device)
-            keep_rows = torch.cat([batch.sample_rows, extra_rows])
-        elif not batch.sampling:  # nothing samples; keep the cost minimal
-            keep_rows = torch.tensor([batch.input_ids.shape[1] - 1], device=self.device)
-        else:
-            keep_rows = batch.sample_rows
-        if self.decoder is not None:
-            assert batch.tables is not None, "_pack builds the tables for the decoder"
-            logits = self.decoder(
-                batch.input_ids[0], batch.position_ids[0], batch.tables, self.kv_cache, keep_rows
-            )
-        else:
-            rows = batch.metadata.query_start
-            with self.int8_rows.active(rows) if self.int8_rows else nullcontext():
-                output = self.model(
-                    input_ids=batch.input_ids,
-                    position_ids=batch.position_ids,
-                    use_cache=False,
-                    logits_to_keep=keep_rows,
-                    **{METADATA_KWARG: batch.metadata},
-                )
-            logits = output.logits[0]
+        """Logits of the sampling rows, then of the draft rows (prompt rows are scored into
+        their requests on the way). [num_sampling + drafts, vocab]"""
+        # nothing wanted (prompt chunks that score nothing): one row keeps the pass valid
+        rows = batch.kept_rows or [batch.input_ids.shape[1] - 1]
+        logits = self.backend.forward(batch, self.kv_cache, rows)
         num_kept = len(batch.sampling) + len(batch.draft_rows)
         if batch.prompt_rows:
             self._score_prompt(batch, logits[num_kept:])
@@ -276,7 +202,9 @@ class ModelRunner:
         if batch.draft_rows:
             draft_logits = logits[len(sampling) :]
             verified = sample_greedy_batch(
-                draft_logits, [owner.sampling.top_n_tokens for owner in batch.draft_owners]
+                draft_logits,
+                [owner.sampling.top_n_tokens for owner in batch.draft_owners],
+                self.kernels,
             )
             index = {id(state): i for i, state in enumerate(sampling)}
             for owner, sample in zip(batch.draft_owners, verified, strict=True):
@@ -288,7 +216,9 @@ class ModelRunner:
         greedy_rows = [i for i, s in enumerate(sampling) if not needs_own_row(s.sampling)]
         if greedy_rows:
             batch = sample_greedy_batch(
-                logits[greedy_rows], [sampling[i].sampling.top_n_tokens for i in greedy_rows]
+                logits[greedy_rows],
+                [sampling[i].sampling.top_n_tokens for i in greedy_rows],
+                self.kernels,
             )
             for row, sample in zip(greedy_rows, batch):
                 samples[row] = sample

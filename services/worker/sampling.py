@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker import kernels
+from services.worker.kernels import CpuKernels
 from services.worker.watermark import apply_watermark
 from shared.messages import SamplingParams, TopToken
 
@@ -116,9 +116,11 @@ def sample_one(
     )
 
 
-def sample_greedy_batch(logits: torch.Tensor, top_n_tokens: list[int]) -> list[Sampled]:
-    """Greedy tokens for rows that need no penalty: one argmax for all. [num_rows, vocab]"""
-    ops = kernels.load() if logits.device.type == "cpu" else None
+def sample_greedy_batch(
+    logits: torch.Tensor, top_n_tokens: list[int], ops: CpuKernels | None = None
+) -> list[Sampled]:
+    """Greedy tokens for rows that need no penalty: one argmax for all, on the CPU kernels
+    when given (`ops`: None with --disable-cpu-kernels or off the CPU). [num_rows, vocab]"""
     if ops is not None and ops.supports(logits.dtype) and logits.is_contiguous():
         token_ids, chosen_logprobs = ops.greedy(logits)  # one read of each row, no float copy
     else:

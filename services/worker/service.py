@@ -20,13 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import redis.asyncio as aioredis
 
-from services.worker.fake import FakeRunner, vocab_size_of
-from services.worker.fallback import make_runner
-from services.worker.flash_attention import flash_block_size
-from services.worker.kv_cache import PagedKVCache, default_budget, plan_num_blocks
+from services.worker.fast_decoder import FAST_DECODER
 from services.worker.loader import LoadedModel
 from services.worker.metrics import WorkerMetrics
-from services.worker.runner import ModelRunner, StepOutcome
+from services.worker.runner import StepOutcome
+from services.worker.runtime import build_runner, ready_message
 from services.worker.step_link import BLOCK_MS, STOPPING_BLOCK_MS, Command, StepLink, xadd
 from shared.bus import FIELD, REDIS_ERRORS, entry_message, stream_fields
 from shared.channels import DEAD_LETTERS_MAXLEN, Channels
@@ -58,39 +56,18 @@ class WorkerService:
         self.channels = Channels(settings.namespace)
         self.group = settings.group
         self.metrics = WorkerMetrics()
-        budget = settings.kv_cache_memory or default_budget(loaded.device)
-        # never more than a full batch of full contexts could use
-        max_tokens = (
-            settings.max_batch_total_tokens or settings.max_batch_size * loaded.max_model_len
+        self.runner = build_runner(
+            loaded,
+            block_size=settings.block_size,
+            kv_cache_memory=settings.kv_cache_memory,
+            max_batch_size=settings.max_batch_size,
+            max_batch_total_tokens=settings.max_batch_total_tokens,
+            speculate=settings.speculate,
+            fake_step_ms=settings.fake_step_ms,
         )
-        is_paged = loaded.runner == "paged"
-        block_size = flash_block_size(
-            settings.block_size, loaded.device, loaded.cache_shape, is_paged=is_paged
-        )
-        num_blocks = plan_num_blocks(loaded.cache_shape, block_size, budget, max_tokens)
-        cache = PagedKVCache(
-            loaded.cache_shape,
-            num_blocks,
-            block_size,
-            loaded.device,
-            allocate=is_paged,
-        )
-        self.metrics.kv_blocks.set(num_blocks)
-        runner_args = (
-            loaded.model,
-            cache,
-            loaded.eos_token_ids,
-            loaded.max_model_len,
-            loaded.device,
-        )
-        if settings.fake_step_ms is not None:
-            self.runner: ModelRunner = FakeRunner(
-                *runner_args, step_ms=settings.fake_step_ms, vocab_size=vocab_size_of(loaded.folder)
-            )
-        else:
-            self.runner = make_runner(loaded, cache, settings.speculate)
-        decoder = getattr(self.runner, "decoder", None)
-        instruction_set = decoder.ops.level if decoder is not None else ""
+        self.metrics.kv_blocks.set(self.runner.kv_cache.num_blocks)
+        kernels = self.runner.kernels if self.runner.attention == FAST_DECODER else None
+        instruction_set = kernels.level if kernels is not None else ""
         self.metrics.attention.labels(self.runner.attention, instruction_set).set(1)
         self.last_step_id = 0
         self.started_at = time.time()  # identifies this worker's lifetime to its scheduler
@@ -103,21 +80,13 @@ class WorkerService:
         self._is_cancelled = False  # the event loop gave up on the torch thread's loop
 
     def ready_message(self) -> WorkerReady:
-        cache = self.runner.kv_cache
-        return WorkerReady(
+        return ready_message(
+            self.runner,
+            self.loaded,
             group=self.group,
             model_id=self.settings.model_id,
-            num_blocks=cache.num_blocks,
-            block_size=cache.block_size,
             max_batch_size=self.settings.max_batch_size,
-            max_model_len=self.loaded.max_model_len,
-            eos_token_ids=self.loaded.eos_token_ids,
-            dtype=str(self.loaded.cache_shape.dtype).removeprefix("torch."),
-            device=str(self.loaded.device),
             world_size=self.settings.num_shard,
-            num_speculative_tokens=self.runner.num_speculative_tokens,
-            runner=self.loaded.runner,
-            attention=self.runner.attention,
             started_at=self.started_at,
         )
 

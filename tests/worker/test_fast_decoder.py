@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers as T
 
-from services.worker import fast_decoder
+from services.worker import fast_decoder, kernels
 from services.worker.fast_decoder import FAST_DECODER, unsupported_reason
 from services.worker.loader import load_model
 from tests.support.engine_loop import EngineLoop, make_request
@@ -32,9 +32,12 @@ def test_llama_runs_on_the_fast_decoder_unless_disabled(llama_folder):
     assert EngineLoop(fast, num_blocks=16).runner.attention == FAST_DECODER
     # its linear weights moved into the decoder's packed layout
     assert fast.model.model.layers[0].self_attn.q_proj.weight.numel() == 0
+    assert fast.kernels is not None and fast.decoder.ops is fast.kernels
     generic = load_model(str(llama_folder), cpu_kernels=False)
     assert generic.decoder is None
-    assert EngineLoop(generic, num_blocks=16).runner.attention == "sdpa"
+    runner = EngineLoop(generic, num_blocks=16).runner
+    assert runner.attention == "sdpa"
+    assert generic.kernels is None and runner.kernels is None  # greedy sampling skips them too
 
 
 def logits_of_steps(loaded, prompts: list[list[int]], max_new_tokens: int) -> list[torch.Tensor]:
@@ -117,4 +120,5 @@ def test_models_it_does_not_run_say_why(tmp_path, llama_folder):
         T.LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, vocab_size=50)
     ).to(torch.float16)
     assert "float16" in unsupported_reason(half, cpu, None, 1)
-    assert fast_decoder.build(half, cpu, None, 1) is None
+    assert fast_decoder.build(half, cpu, None, 1, kernels.load()) is None
+    assert fast_decoder.build(llama, cpu, None, 1, None) is None  # --disable-cpu-kernels

@@ -18,21 +18,22 @@ import pytest
 import torch
 
 from services.worker import flash_attention
+from services.worker.backends import PagedFlash
 from services.worker.flash_attention import (
     FLASH_ATTN,
     SDPA,
     flash_block_size,
-    kernel_for,
     make_metadata,
 )
 from services.worker.kv_cache import CacheShape, PagedKVCache
-from services.worker.loader import load_model
+from services.worker.loader import FALLBACK, LoadedModel, load_model
 from services.worker.paged_attention import (
     METADATA_KWARG,
     AttentionMetadata,
     make_decode_group,
     paged_attention_forward,
 )
+from services.worker.runtime import pick_backend
 from tests.support.engine_loop import EngineLoop, make_request
 from tests.support.reference import greedy_continuation, reference_model
 
@@ -151,7 +152,6 @@ def test_block_size_rounds_up_to_256_only_where_flash_attn_runs(monkeypatch):
     assert flash_block_size(300, CUDA, HALF) == 512
     assert flash_block_size(512, CUDA, HALF) == 512
     assert flash_block_size(16, CPU, HALF) == 16
-    assert flash_block_size(16, CUDA, HALF, is_paged=False) == 16  # fallback runner
     float32 = CacheShape(2, 2, 16, torch.float32)
     assert flash_block_size(16, CUDA, float32) == 16  # flash-attn: fp16/bf16 only
     assert flash_block_size(16, CUDA, CacheShape(2, 2, 12, torch.float16)) == 16
@@ -189,13 +189,22 @@ def test_availability_needs_a_flash_attn_with_block_table(
     assert flash_attention.is_available(CPU) is False
 
 
-def test_kernel_choice(stand_in):
-    def cache(block_size, allocate=True):
-        return PagedKVCache(HALF, 2, block_size, CPU, allocate=allocate)
+def test_backend_choice(stand_in):
+    """With flash-attn (the stand-in: available everywhere), a paged model runs PagedFlash,
+    its pages 256 tokens long; a model on its own cache does not."""
 
-    assert kernel_for(cache(256), CUDA) == FLASH_ATTN
-    assert kernel_for(cache(16), CUDA) == SDPA  # pages flash-attn cannot read
-    assert kernel_for(cache(256, allocate=False), CUDA) == SDPA  # the fallback runner's
+    model = torch.nn.Linear(2, 2)  # the backends only keep it
+    model.base_model = SimpleNamespace(forward=lambda input_ids, position_ids=None: None)
+
+    def loaded(runner="paged", device=CUDA, shape=HALF):
+        return LoadedModel(model, None, shape, [2], 512, device, runner)  # type: ignore[arg-type]
+
+    flash = pick_backend(loaded())
+    assert isinstance(flash, PagedFlash) and flash.name == FLASH_ATTN
+    assert flash.block_size(16, CUDA, HALF) == 256
+    fallback = pick_backend(loaded(runner=FALLBACK))
+    assert fallback.name == SDPA and not fallback.uses_paged_cache
+    assert fallback.block_size(16, CUDA, HALF) == 16
 
 
 # (q_len, context_len, block ids): a fresh prompt, a decode across a block boundary, a chunk

@@ -1,0 +1,115 @@
+"""Building a worker's runtime from a loaded model: the one factory the worker service, the
+tensor-parallel ranks and the in-process engine all use.
+
+    LoadedModel -> ForwardBackend (pick_backend) -> KV block size (the backend's)
+                -> number of blocks (given, or from the memory budget) -> PagedKVCache
+                -> ModelRunner -> WorkerReady (what the scheduler plans with)
+
+The scheduler side has its counterpart: `SchedulerConfig.for_worker(ready, ...)` turns the
+WorkerReady into the admission policy, for the scheduler service and the engine alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from services.worker import flash_attention
+from services.worker.backends import FastDecoderPass, ForwardBackend, PagedFlash, PagedSdpa
+from services.worker.fake import Simulated, vocab_size_of
+from services.worker.fallback import EncoderDecoder, OwnCache
+from services.worker.kv_cache import PagedKVCache, default_budget, plan_num_blocks
+from services.worker.loader import FALLBACK, SEQ2SEQ, LoadedModel
+from services.worker.runner import ModelRunner
+from shared.messages import WorkerReady
+
+log = logging.getLogger(__name__)
+
+
+def pick_backend(loaded: LoadedModel, fake_step_ms: float | None = None) -> ForwardBackend:
+    """What runs the forward pass of `loaded` (services/worker/backends.py has the table)."""
+    if fake_step_ms is not None:
+        return Simulated(fake_step_ms, vocab_size_of(loaded.folder), loaded.eos_token_ids)
+    if loaded.runner == FALLBACK:
+        return OwnCache(loaded.model, loaded.device)
+    if loaded.runner == SEQ2SEQ:
+        return EncoderDecoder(loaded.model, loaded.device)
+    if loaded.decoder is not None:
+        return FastDecoderPass(loaded.decoder)
+    if flash_attention.is_available(loaded.device, loaded.cache_shape):
+        return PagedFlash(loaded.model, loaded.device)
+    return PagedSdpa(loaded.model, loaded.device)
+
+
+def build_runner(
+    loaded: LoadedModel,
+    *,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    kv_cache_memory: int | None = None,
+    max_batch_size: int = 256,
+    max_batch_total_tokens: int | None = None,
+    speculate: int = 0,
+    fake_step_ms: float | None = None,
+) -> ModelRunner:
+    """The runner of `loaded` with its KV cache: `num_blocks` blocks when given (a
+    tensor-parallel rank takes rank 0's), else as many as `kv_cache_memory` bytes (default: a
+    share of free memory) hold, never more than a full batch of full contexts would use."""
+    backend = pick_backend(loaded, fake_step_ms)
+    block_size = backend.block_size(block_size, loaded.device, loaded.cache_shape)
+    if num_blocks is None:
+        budget = kv_cache_memory or default_budget(loaded.device)
+        max_tokens = max_batch_total_tokens or max_batch_size * loaded.max_model_len
+        num_blocks = plan_num_blocks(loaded.cache_shape, block_size, budget, max_tokens)
+    cache = PagedKVCache(
+        loaded.cache_shape,
+        num_blocks,
+        block_size,
+        loaded.device,
+        allocate=backend.uses_paged_cache,
+    )
+    log.info(
+        "forward passes on %s; KV cache of %d blocks x %d tokens",
+        backend.name,
+        num_blocks,
+        block_size,
+    )
+    return ModelRunner(
+        backend,
+        cache,
+        loaded.eos_token_ids,
+        loaded.max_model_len,
+        loaded.device,
+        num_speculative_tokens=speculate,
+        kernels=loaded.kernels,
+    )
+
+
+def ready_message(
+    runner: ModelRunner,
+    loaded: LoadedModel,
+    *,
+    group: str,
+    model_id: str,
+    max_batch_size: int,
+    world_size: int = 1,
+    started_at: float | None = None,
+) -> WorkerReady:
+    """What a worker group announces: its capacity and how it runs the model."""
+    cache = runner.kv_cache
+    return WorkerReady(
+        group=group,
+        model_id=model_id,
+        num_blocks=cache.num_blocks,
+        block_size=cache.block_size,
+        max_batch_size=max_batch_size,
+        max_model_len=loaded.max_model_len,
+        eos_token_ids=loaded.eos_token_ids,
+        dtype=str(loaded.cache_shape.dtype).removeprefix("torch."),
+        device=str(loaded.device),
+        world_size=world_size,
+        num_speculative_tokens=runner.num_speculative_tokens,
+        runner=loaded.runner,
+        attention=runner.attention,
+        started_at=time.time() if started_at is None else started_at,
+    )
