@@ -1,10 +1,11 @@
-"""The scheduler's Redis loop.
+"""The scheduler's loop: one session per lifetime of its worker group.
 
-Pulls GenerateRequests from {ns}:requests (consumer group "schedulers") only while its worker
-group has room, so load spreads over groups with no router; hears AbortRequests on
-{ns}:aborts; sends each StepPlan to {ns}:group:{g}:steps and waits for the StepResult on
-{ns}:group:{g}:results. A request is acknowledged (XACK, then XDEL) only when it ended, so the
-stream holds exactly the unfinished requests and a dead scheduler's requests stay pending.
+Each turn of the loop pulls requests only while the worker group has room, so load spreads
+over groups with no router (intake.py: the request lanes, claims, acknowledgements);
+applies the aborts heard on {ns}:aborts; lets the Scheduler plan (scheduler.py, no I/O); sends
+each StepPlan and waits for the StepResult (steps.py); and finishes the requests that ended.
+A request is acknowledged only when it ended, so the lanes hold exactly the unfinished
+requests and a dead scheduler's requests stay pending for another to claim.
 """
 
 from __future__ import annotations
@@ -14,27 +15,17 @@ import logging
 import time
 import uuid
 
-import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from services.scheduler.aborts import AbortListener
-from services.scheduler.lanes import LaneReader
+from services.scheduler.intake import RequestIntake, Taken
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.recovery import (
-    Unreadable,
-    as_text,
-    claim_abandoned,
-    dead_letter,
-    group_by_stream,
-    keep_fresh,
-    parse_request,
-)
 from services.scheduler.request import RequestStatus, SchedRequest
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.steps import StepChannel
-from shared.bus import REDIS_ERRORS, ensure_group, get_message, stream_fields
-from shared.channels import SCHEDULER_GROUP, Channels
+from shared.bus import REDIS_ERRORS, get_message
+from shared.channels import Channels
 from shared.codec import decode, encode
 from shared.messages import (
     ReplyBatch,
@@ -69,11 +60,13 @@ class SchedulerService:
         self.channels = Channels(settings.namespace)
         self.group = settings.group
         self.consumer = f"{settings.group}-{uuid.uuid4().hex[:8]}"
-        self.lanes = LaneReader(redis, self.channels.lanes, SCHEDULER_GROUP, self.consumer)
         self.metrics = SchedulerMetrics()
         self.tracer = tracer("textgen.scheduler")
         self.scheduler: Scheduler | None = None
         self.aborts = AbortListener(redis, self.channels, settings.request_timeout)
+        self.intake = RequestIntake(
+            redis, self.channels, self.consumer, self.aborts, self.metrics, settings.claim_timeout
+        )
         self.draining = False
         self.stop_at: float | None = None  # unix s; set by request_stop()
         self.steps = StepChannel(redis, self.channels, settings.group, self.metrics)
@@ -141,8 +134,7 @@ class SchedulerService:
             self.settings.max_batch_size,
             enable_prefix_caching=not self.settings.disable_prefix_caching,
         )
-        for lane in self.channels.lanes:
-            await ensure_group(self.redis, lane, SCHEDULER_GROUP)
+        await self.intake.open()
         await self.steps.reset()
         self._worker = ready
         self.scheduler = Scheduler(config, clock=time.time)  # its first plan resets the worker
@@ -212,26 +204,13 @@ class SchedulerService:
 
     def request_stop(self) -> None:
         """SIGTERM: pull nothing more, let running requests finish for the grace period, then
-        hand the rest back to the stream (see _hand_back)."""
+        hand the rest back to the stream (RequestIntake.hand_back)."""
         if self.stop_at is None:
             self.stop_at = time.time() + self.settings.shutdown_grace
             log.info(
                 "stopping: finishing running requests for up to %.0f s",
                 self.settings.shutdown_grace,
             )
-
-    async def _hand_back(self, requests: list[SchedRequest]) -> None:
-        """Requeue requests with the tokens they already have, so another group continues
-        each stream where it stopped (the gateway skips the indexes it delivered)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for request in requests:
-                resumed = msgspec.structs.replace(
-                    request.message, generated_ids=request.token_ids[request.num_prompt_tokens :]
-                )
-                pipe.xadd(self.channels.lane(resumed.priority), stream_fields(resumed))
-            await pipe.execute()
-        self.metrics.handed_back.inc(len(requests))
-        log.info("handed back %d requests", len(requests))
 
     async def _check_drain(self) -> None:
         """Follow the drain key (`textgen queue drain GROUP`), read at most every
@@ -253,10 +232,8 @@ class SchedulerService:
             )
 
     async def _pull(self, block: bool) -> None:
-        """Read as many requests as the group has room for, lane by lane (most urgent first),
-        so a lane is only read once the more urgent ones are empty: one round trip (lanes.py).
-        If all are empty and the group is idle, block on all lanes at once for the next arrival
-        (count 1 each)."""
+        """Take as many requests as the group has room for (blocking for the next arrival
+        when `block` and none is there)."""
         scheduler = self.scheduler
         assert scheduler is not None
         room = scheduler.config.max_batch_size - scheduler.num_unfinished
@@ -264,48 +241,13 @@ class SchedulerService:
             if block:
                 await asyncio.sleep(0.1)
             return
-        entries = await self.lanes.read(room)
-        for stream, entry_id, fields in entries:
-            await self._accept(stream, entry_id, fields)
-        if not entries and block:
-            await self._read(self._consumer_reads(self.channels.lanes, 1, 1000))
+        self._add(await self.intake.pull(room, block))
 
-    def _consumer_reads(self, streams: list[str], count: int, block_ms: int | None):
-        return self.redis.xreadgroup(
-            SCHEDULER_GROUP,
-            self.consumer,
-            {stream: ">" for stream in streams},
-            count=count,
-            block=block_ms,
-        )
-
-    async def _read(self, reading) -> int:
-        """Accept what one XREADGROUP returned; the number of entries."""
-        num_entries = 0
-        for stream, entries in await reading or []:
-            for entry_id, fields in entries:
-                await self._accept(as_text(stream), entry_id, fields)
-                num_entries += 1
-        return num_entries
-
-    async def _accept(self, stream: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
-        """Take a stream entry into the scheduler, or acknowledge it away (aborted, expired,
-        unreadable: dead-lettered)."""
+    def _add(self, taken: list[Taken]) -> None:
         scheduler = self.scheduler
         assert scheduler is not None
-        try:
-            message = parse_request(fields)
-        except Unreadable as exc:  # never stops the consumer
-            await dead_letter(self.redis, self.channels, stream, entry_id, fields, str(exc))
-            await self._ack([(stream, entry_id)])
-            return
-        if message.request_id in self.aborts or (
-            message.deadline and message.deadline < time.time()
-        ):
-            await self._ack([(stream, entry_id)])
-            return
-        self.metrics.pulled.inc()
-        scheduler.add(message, entry_id, stream)
+        for message, entry_id, lane in taken:
+            scheduler.add(message, entry_id, lane)
 
     async def _claim(self) -> None:
         """Take over requests of schedulers that went silent (at most every CLAIM_INTERVAL_S)."""
@@ -316,12 +258,7 @@ class SchedulerService:
         if now - self._claimed_at < CLAIM_INTERVAL_S or room <= 0 or self.draining:
             return
         self._claimed_at = now
-        claimed = await claim_abandoned(
-            self.redis, self.channels, self.consumer, self.settings.claim_timeout, room
-        )
-        for stream, entry_id, fields in claimed:
-            await self._accept(stream, entry_id, fields)
-        self.metrics.claimed.inc(len(claimed))
+        self._add(await self.intake.claim(room))
 
     async def _keep_fresh(self) -> None:
         """Background: keep the held entries' idle time low, so nobody claims them."""
@@ -330,9 +267,8 @@ class SchedulerService:
             scheduler = self.scheduler
             if scheduler is None:
                 continue
-            entries = [(r.stream, r.entry_id) for r in scheduler.requests.values()]
             try:
-                await keep_fresh(self.redis, self.consumer, entries)
+                await self.intake.keep_fresh(list(scheduler.requests.values()))
             except REDIS_ERRORS as exc:
                 log.debug("could not refresh held entries: %s", exc)
 
@@ -344,9 +280,10 @@ class SchedulerService:
         if not ended:
             return
         handed_back = [r for r in ended if r.status == RequestStatus.HANDED_BACK]
-        if handed_back:
-            await self._hand_back(handed_back)  # requeue first: nothing is lost in between
-        await self._ack([(r.stream, r.entry_id) for r in ended])
+        if handed_back:  # requeue first: nothing is lost in between
+            await self.intake.hand_back(handed_back)
+            log.info("handed back %d requests", len(handed_back))
+        await self.intake.ack((r.stream, r.entry_id) for r in ended)
         failed = [r for r in ended if r.error]
         now = time.time()
         for request in ended:
@@ -382,17 +319,6 @@ class SchedulerService:
                     request_id=request.request_id, error=request.error, error_type="generation"
                 )
                 pipe.publish(request.message.reply_to, encode(ReplyBatch(events=[event])))
-            await pipe.execute()
-
-    async def _ack(self, entries: list[tuple[str, bytes]]) -> None:
-        """XACK then XDEL (stream, entry id) pairs: the streams keep only unfinished requests."""
-        by_stream = group_by_stream(entries)
-        if not by_stream:
-            return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for stream, entry_ids in by_stream.items():
-                pipe.xack(stream, SCHEDULER_GROUP, *entry_ids)
-                pipe.xdel(stream, *entry_ids)
             await pipe.execute()
 
     def _apply_aborts(self) -> None:

@@ -1,0 +1,136 @@
+"""The request lanes as one scheduler consumes them: the Redis side of taking requests in and
+letting them go.
+
+Requests are read (XREADGROUP, group "schedulers") most urgent lane first and never past the
+room the group has (lanes.py: one round trip); an idle scheduler blocks on every lane at once
+for the next arrival; entries of schedulers that went silent are claimed; held entries are
+kept fresh so nobody claims them. An entry leaves the stream only when its request ended
+(XACK, then XDEL), or is handed back (requeued with the tokens it already has). Unreadable
+entries go to the dead letters; aborted and expired ones are acknowledged away unseen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import msgspec
+import redis.asyncio as aioredis
+
+from services.scheduler.aborts import AbortListener
+from services.scheduler.lanes import LaneReader
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.recovery import (
+    Unreadable,
+    as_text,
+    claim_abandoned,
+    dead_letter,
+    group_by_stream,
+    keep_fresh,
+    parse_request,
+)
+from services.scheduler.request import SchedRequest
+from shared.bus import ensure_group, stream_fields
+from shared.channels import SCHEDULER_GROUP, Channels
+from shared.messages import GenerateRequest
+
+Taken = tuple[GenerateRequest, bytes, str]  # (request, its entry id, its lane)
+IDLE_BLOCK_MS = 1000  # an idle scheduler's wait for the next arrival, per read
+
+
+class RequestIntake:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        channels: Channels,
+        consumer: str,
+        aborts: AbortListener,
+        metrics: SchedulerMetrics,
+        claim_timeout: float,
+    ) -> None:
+        self.redis = redis
+        self.channels = channels
+        self.consumer = consumer  # this scheduler's name in the consumer group
+        self.aborts = aborts  # ids whose entries are acknowledged away unseen
+        self.metrics = metrics
+        self.claim_timeout = claim_timeout  # s of silence before another scheduler claims
+        self.lanes = LaneReader(redis, channels.lanes, SCHEDULER_GROUP, consumer)
+
+    async def open(self) -> None:
+        """Create the consumer group on every lane where it is missing."""
+        for lane in self.channels.lanes:
+            await ensure_group(self.redis, lane, SCHEDULER_GROUP)
+
+    async def pull(self, room: int, block: bool) -> list[Taken]:
+        """Up to `room` new requests, the most urgent lanes' first (one round trip); when
+        there are none and `block`, wait on every lane for the next arrival."""
+        entries = await self.lanes.read(room)
+        if not entries and block:
+            reply = await self.redis.xreadgroup(
+                SCHEDULER_GROUP,
+                self.consumer,
+                {lane: ">" for lane in self.channels.lanes},
+                count=1,
+                block=IDLE_BLOCK_MS,
+            )
+            entries = [
+                (as_text(lane), entry_id, fields)
+                for lane, lane_entries in reply or []
+                for entry_id, fields in lane_entries
+            ]
+        taken = [await self._take(lane, entry_id, fields) for lane, entry_id, fields in entries]
+        self.metrics.pulled.inc(sum(1 for t in taken if t is not None))
+        return [t for t in taken if t is not None]
+
+    async def claim(self, room: int) -> list[Taken]:
+        """Up to `room` requests of schedulers silent for claim_timeout."""
+        claimed = await claim_abandoned(
+            self.redis, self.channels, self.consumer, self.claim_timeout, room
+        )
+        self.metrics.claimed.inc(len(claimed))
+        taken = [await self._take(lane, entry_id, fields) for lane, entry_id, fields in claimed]
+        self.metrics.pulled.inc(sum(1 for t in taken if t is not None))
+        return [t for t in taken if t is not None]
+
+    async def _take(self, lane: str, entry_id: bytes, fields: dict[bytes, bytes]) -> Taken | None:
+        """The entry's request, or None once it is acknowledged away (aborted, expired,
+        unreadable: dead-lettered; never stops the consumer)."""
+        try:
+            message = parse_request(fields)
+        except Unreadable as exc:
+            await dead_letter(self.redis, self.channels, lane, entry_id, fields, str(exc))
+            await self.ack([(lane, entry_id)])
+            return None
+        if message.request_id in self.aborts or (
+            message.deadline and message.deadline < time.time()
+        ):
+            await self.ack([(lane, entry_id)])
+            return None
+        return message, entry_id, lane
+
+    async def ack(self, entries: Iterable[tuple[str, bytes]]) -> None:
+        """XACK then XDEL (lane, entry id) pairs: the lanes keep only unfinished requests."""
+        by_stream = group_by_stream(list(entries))
+        if not by_stream:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for stream, entry_ids in by_stream.items():
+                pipe.xack(stream, SCHEDULER_GROUP, *entry_ids)
+                pipe.xdel(stream, *entry_ids)
+            await pipe.execute()
+
+    async def hand_back(self, requests: list[SchedRequest]) -> None:
+        """Requeue requests with the tokens they already have, so another group continues
+        each stream where it stopped (the gateway skips the indexes it delivered)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for request in requests:
+                resumed = msgspec.structs.replace(
+                    request.message, generated_ids=request.token_ids[request.num_prompt_tokens :]
+                )
+                pipe.xadd(self.channels.lane(resumed.priority), stream_fields(resumed))
+            await pipe.execute()
+        self.metrics.handed_back.inc(len(requests))
+
+    async def keep_fresh(self, requests: Iterable[SchedRequest]) -> None:
+        """Reset the held entries' idle time, so nobody claims them."""
+        await keep_fresh(self.redis, self.consumer, [(r.stream, r.entry_id) for r in requests])
