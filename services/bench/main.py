@@ -25,11 +25,11 @@ from typing import Any
 from services.bench import cpu
 from services.bench.arrivals import poisson_arrivals
 from services.bench.client import LevelRun, run_closed_loop, run_open_loop
+from services.bench.flags import concurrency_levels
 from services.bench.inprocess import load_inprocess, run_ceiling
 from services.bench.placement import Placement
 from services.bench.plot import MISSING, can_plot, plot
 from services.bench.progress import Progress
-from services.bench.random_model import SHAPES
 from services.bench.report import (
     add_ratios,
     format_table,
@@ -41,141 +41,12 @@ from services.bench.server import Served, served_dtype, server
 from services.bench.workload import (
     Case,
     dataset_workload,
-    parse_range,
     synthetic_workload,
     tokenizer_counter,
 )
 from shared import aio
 from shared.model_files import eos_token_ids, resolve_model_dir
 from shared.openmp import share_cores
-
-DEFAULT_CONCURRENCY = "1,4,16,32"
-
-
-def _ints(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers like 1,4,16, got {text!r}")
-    return values
-
-
-def _rates(text: str) -> list[float]:
-    values = [float(v) for v in text.split(",") if v.strip()]
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive rates like 2,8, got {text!r}")
-    return values
-
-
-def _range(text: str) -> tuple[int, int]:
-    try:
-        return parse_range(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
-def add_bench_flags(parser: argparse.ArgumentParser) -> None:
-    parser.description = __doc__
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    model = parser.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model-id", help="model folder or hub id")
-    model.add_argument(
-        "--random-model",
-        choices=sorted(SHAPES),
-        help="a random-weight model of that checkpoint's shape, built once into "
-        "~/.cache/textgen/random-models (no download)",
-    )
-    parser.add_argument("--url", help="a running server; default: launch one")
-    parser.add_argument(
-        "--num-requests", type=int, default=32, help="requests per level (default 32)"
-    )
-    parser.add_argument(
-        "--concurrency",
-        type=_ints,
-        help=f"closed-loop levels, e.g. 1,4,16 (default {DEFAULT_CONCURRENCY} "
-        "unless --request-rate is given)",
-    )
-    parser.add_argument(
-        "--request-rate", type=_rates, help="open-loop Poisson levels in requests/s, e.g. 2,8"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="workload and arrival times")
-    parser.add_argument(
-        "--input-len-range",
-        type=_range,
-        default=(32, 256),
-        help="prompt tokens LOW:HIGH (default 32:256)",
-    )
-    parser.add_argument(
-        "--output-len-range",
-        type=_range,
-        default=(16, 128),
-        help="max_new_tokens LOW:HIGH (default 16:128)",
-    )
-    parser.add_argument(
-        "--shared-prefix-len",
-        type=int,
-        default=0,
-        metavar="N",
-        help="every synthetic prompt starts with the same N tokens (prefix caching)",
-    )
-    parser.add_argument(
-        "--dataset",
-        type=Path,
-        help='JSON lines of {"prompt": ..., "max_new_tokens": ...} instead of synthetic prompts',
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--plot", type=Path, metavar="FILE.png", help="needs matplotlib")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    parser.add_argument(
-        "--compare-transformers",
-        action="store_true",
-        help="transformers generate on the same prompts (sequential and one static batch)",
-    )
-    parser.add_argument(
-        "--compare-inprocess", action="store_true", help="the in-process engine, when present"
-    )
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        metavar="N",
-        help="with --compare-inprocess and one --concurrency level: N server/in-process "
-        "pairs in alternating order (server first, then in-process first, ...), round i on "
-        "a synthetic workload seeded seed+i; ratios per round and their median (a noisy "
-        "host drifts between two phases of one round less than across a whole run)",
-    )
-    parser.add_argument(
-        "--compare-prefix-caching",
-        action="store_true",
-        help="the same levels on a second launched server with --disable-prefix-caching: "
-        "TTFT ratio and identical outputs (use with --shared-prefix-len)",
-    )
-    parser.add_argument(
-        "--ceiling",
-        action="store_true",
-        help="time in-process decode steps at batch 32 against this machine's matmul ceiling",
-    )
-    parser.add_argument(
-        "--speculate",
-        type=int,
-        default=0,
-        metavar="N",
-        help="n-gram speculation on the launched server and the in-process engine",
-    )
-    parser.add_argument(
-        "--worker-cpus",
-        metavar="CPUS",
-        help="launch the server with --worker-cpus CPUS (e.g. 0): its workers compute there, "
-        "its other services on the other CPUs; the in-process engine, transformers and the "
-        "ceiling then compute on CPUS too, and the load generator runs on the others",
-    )
-    parser.add_argument(
-        "--launch-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="passed to the launched server (repeat: --launch-arg=--max-batch-size "
-        "--launch-arg=16)",
-    )
 
 
 def build_workload(
@@ -201,18 +72,12 @@ def build_workload(
     )
 
 
-def _concurrency_levels(args: argparse.Namespace) -> list[int]:
-    if args.concurrency is None and args.request_rate is None:
-        return _ints(DEFAULT_CONCURRENCY)
-    return args.concurrency or []
-
-
 def run_levels(served: Served, cases: list[Case], args: argparse.Namespace) -> list[LevelRun]:
     show = not args.no_progress
     url = served.url
     runs = []
     aio.run(run_closed_loop(url, cases[:2], 2))  # warm-up, not reported
-    for level in _concurrency_levels(args):
+    for level in concurrency_levels(args):
         runs.append(closed_level(served, cases, level, f"c={level}", show))
     for rate in args.request_rate or []:
         bar = Progress(f"rate={rate:g}/s", len(cases)) if show else None

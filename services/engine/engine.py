@@ -11,8 +11,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import SchedRequest
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.scheduler import Scheduler
 from services.worker.loader import LoadedModel, load_model
 from services.worker.runner import StepOutcome
 from services.worker.runtime import build_runner, ready_message

@@ -34,7 +34,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help=TOOLS["bench"], description=TOOLS["bench"])
     queue = commands.add_parser("queue", help=TOOLS["queue"], description=TOOLS["queue"])
     if command in (None, "bench"):
-        from services.bench.main import add_bench_flags
+        from services.bench.flags import add_bench_flags
 
         add_bench_flags(bench)
     if command in (None, "queue"):

@@ -19,10 +19,11 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from services.scheduler.aborts import AbortListener
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.intake import RequestIntake, Taken
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import RequestStatus, SchedRequest
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.scheduler import Scheduler
 from services.scheduler.steps import StepChannel
 from shared.bus import REDIS_ERRORS, get_message
 from shared.channels import Channels

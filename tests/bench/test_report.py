@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from services.bench.main import _check_args, add_bench_flags
+from services.bench.flags import add_bench_flags
+from services.bench.main import _check_args
 from services.bench.placement import Placement
 from services.bench.report import (
     add_ratios,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.scheduler import Scheduler
 from shared.messages import (
     FinishReason,
     GenerateRequest,

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from services.engine import Engine
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.scheduler import Scheduler
 from services.worker.speculation import accepted, propose
 from shared.messages import FinishReason, GenerateRequest, SamplingParams, StoppingParams
 from tests.support.reference import greedy_continuation, reference_model
