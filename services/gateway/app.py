@@ -17,15 +17,18 @@ from fastapi import FastAPI
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from services.gateway import compat_routes, info_routes, openai_routes, tgi_routes
-from services.gateway.chat_template import ChatTemplate
-from services.gateway.generation import Generator
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.openapi_routes import describe_routes
-from services.gateway.replies import ReplyRouter
+from services.gateway.openai import routes as openai_routes
+from services.gateway.openapi.routes import describe_routes
+from services.gateway.pipeline.chat_template import ChatTemplate
+from services.gateway.pipeline.generation import Generator
+from services.gateway.pipeline.replies import ReplyRouter
+from services.gateway.pipeline.tokenizer import TextTokenizer
 from services.gateway.state import Admission, GatewayState
-from services.gateway.tokenizer import TextTokenizer
-from services.gateway.validation import Limits
+from services.gateway.tgi import compat as compat_routes
+from services.gateway.tgi import info as info_routes
+from services.gateway.tgi import routes as tgi_routes
+from services.gateway.tgi.validation import Limits
 from shared.bus import connect, redact_url
 from shared.channels import Channels
 from shared.model_files import TOKENIZER_FILES, context_length, resolve_model_dir

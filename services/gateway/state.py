@@ -6,13 +6,13 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from services.gateway.admission import Admission
-from services.gateway.chat_template import ChatTemplate
-from services.gateway.generation import Generator
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.replies import ReplyRouter
-from services.gateway.tokenizer import TextTokenizer
-from services.gateway.validation import Limits
+from services.gateway.pipeline.admission import Admission
+from services.gateway.pipeline.chat_template import ChatTemplate
+from services.gateway.pipeline.generation import Generator
+from services.gateway.pipeline.replies import ReplyRouter
+from services.gateway.pipeline.tokenizer import TextTokenizer
+from services.gateway.tgi.validation import Limits
 from shared.channels import Channels
 from shared.settings import Settings
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.gateway.tokenizer import TextTokenizer
+from services.gateway.pipeline.tokenizer import TextTokenizer
 from shared.settings import Settings
 from tests.gateway.peer import WorkerPeer
 from tests.support.gateway_server import serve

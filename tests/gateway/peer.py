@@ -13,7 +13,7 @@ from typing import Self
 
 import redis.asyncio as aioredis
 
-from services.gateway.tokenizer import TextTokenizer
+from services.gateway.pipeline.tokenizer import TextTokenizer
 from shared.bus import read_stream
 from shared.channels import Channels
 from shared.codec import encode

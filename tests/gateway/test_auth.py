@@ -3,7 +3,7 @@ case-insensitive."""
 
 import pytest
 
-from services.gateway.auth import is_authorized
+from services.gateway.pipeline.auth import is_authorized
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from services.gateway.body import loads_strict
+from services.gateway.pipeline.body import loads_strict
 from shared.settings import Settings
 from tests.support.gateway_server import serve, sse_events
 

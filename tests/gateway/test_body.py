@@ -1,8 +1,8 @@
 import pytest
 
-from services.gateway.body import CONTENT_TYPE_TEXT, parse_body
-from services.gateway.errors import BodyError
-from services.gateway.schemas import CompatBody, GenerateBody
+from services.gateway.pipeline.body import CONTENT_TYPE_TEXT, parse_body
+from services.gateway.pipeline.errors import BodyError
+from services.gateway.tgi.schemas import CompatBody, GenerateBody
 
 
 def rejection(raw: bytes, content_type: str | None = "application/json", model=GenerateBody):

@@ -1,6 +1,6 @@
 import pytest
 
-from services.gateway.tokenizer import IncrementalDetokenizer, TextTokenizer
+from services.gateway.pipeline.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 TEXTS = [
     "Once upon a time there was a little girl named Lily.",

@@ -11,7 +11,7 @@ import shutil
 
 import httpx
 
-from services.gateway.tokenizer import TextTokenizer
+from services.gateway.pipeline.tokenizer import TextTokenizer
 from tests.gateway.peer import CONTINUATION
 from tests.support.gateway_server import serve
 

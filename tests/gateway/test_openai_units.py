@@ -8,17 +8,14 @@ import re
 
 import pytest
 
-from services.gateway.body import parse_body
-from services.gateway.chat_template import ChatTemplate, TemplateError, continue_final_message
-from services.gateway.errors import BodyError, GatewayError, ValidationError
-from services.gateway.openai_errors import (
+from services.gateway.openai.errors import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
     body_error_response,
     gateway_error_body,
     openai_status,
 )
-from services.gateway.openai_format import (
+from services.gateway.openai.format import (
     Envelope,
     chat_choice,
     chat_chunk,
@@ -29,7 +26,7 @@ from services.gateway.openai_format import (
     completion_logprobs,
     summed_usage,
 )
-from services.gateway.openai_params import (
+from services.gateway.openai.params import (
     Fanout,
     chat_parameters,
     check_chat_request,
@@ -39,9 +36,16 @@ from services.gateway.openai_params import (
     openai_finish_reason,
     openai_sampling,
 )
-from services.gateway.openai_schemas import ChatBody, CompletionBody
-from services.gateway.results import Finished, Token
-from services.gateway.validation import Limits, validate_parameters
+from services.gateway.openai.schemas import ChatBody, CompletionBody
+from services.gateway.pipeline.body import parse_body
+from services.gateway.pipeline.chat_template import (
+    ChatTemplate,
+    TemplateError,
+    continue_final_message,
+)
+from services.gateway.pipeline.errors import BodyError, GatewayError, ValidationError
+from services.gateway.pipeline.results import Finished, Token
+from services.gateway.tgi.validation import Limits, validate_parameters
 from shared.messages import FinishReason
 
 # SmolLM2-Instruct's ChatML template (a default system prompt when none is given)

@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from services.gateway.app import create_app
-from services.gateway.openapi_routes import OPERATIONS
+from services.gateway.openapi.routes import OPERATIONS
 from shared.settings import Settings
 
 

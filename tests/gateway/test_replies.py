@@ -1,6 +1,6 @@
 import asyncio
 
-from services.gateway.replies import ReplyRouter, without_duplicates
+from services.gateway.pipeline.replies import ReplyRouter, without_duplicates
 from shared.messages import FinishReason, ReplyBatch, TokenEvent
 
 

@@ -1,7 +1,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.gateway.stops import StopHoldback, StopSequenceMatcher
+from services.gateway.pipeline.stops import StopHoldback, StopSequenceMatcher
 
 
 def test_match_inside_one_chunk():

@@ -2,9 +2,9 @@ import random
 
 import pytest
 
-from services.gateway.errors import ValidationError
-from services.gateway.schemas import GenerateBody, GenerateParameters
-from services.gateway.validation import Limits, check_gates, check_lengths, validate_parameters
+from services.gateway.pipeline.errors import ValidationError
+from services.gateway.tgi.schemas import GenerateBody, GenerateParameters
+from services.gateway.tgi.validation import Limits, check_gates, check_lengths, validate_parameters
 
 LIMITS = Limits(
     max_input_tokens=100,

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import pydantic
 from fastapi import Request
 
-from services.gateway.errors import BodyError
+from services.gateway.pipeline.errors import BodyError
 
 T = TypeVar("T", bound=pydantic.BaseModel)
 

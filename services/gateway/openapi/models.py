@@ -1,6 +1,6 @@
 """The shapes of the gateway's answers, as pydantic models for /openapi.json only.
 
-The routes build their JSON as plain dicts (formatting.py, openai_format.py); these models
+The routes build their JSON as plain dicts (tgi/formatting.py, openai/format.py); these models
 describe those dicts so that clients and schema-driven tests can hold the server to them
 (tests/e2e/test_fuzz.py checks every answer of a fuzzing run against this document).
 """

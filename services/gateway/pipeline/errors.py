@@ -3,7 +3,7 @@
 Two families: `GatewayError` is TGI's JSON error (`{"error", "error_type"}`), used by every
 route and also sent as an in-stream SSE event; `BodyError` is a framework-level body rejection
 (415/400/422/413) whose body is plain text, exactly as TGI's axum extractors answer. The
-OpenAI routes answer both in OpenAI's shape instead (openai_errors.py).
+OpenAI routes answer both in OpenAI's shape instead (openai/errors.py).
 """
 
 from __future__ import annotations

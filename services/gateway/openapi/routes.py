@@ -10,11 +10,11 @@ from __future__ import annotations
 from fastapi import FastAPI
 from pydantic import BaseModel, RootModel
 
-from services.gateway import openapi_models as out
-from services.gateway.compat_routes import VertexBody
-from services.gateway.openai_schemas import ChatBody, CompletionBody
-from services.gateway.openapi import TEXT, Operation, answer, describe, json_of, sse_of
-from services.gateway.schemas import CompatBody, GenerateBody, TokenizeBody
+from services.gateway.openai.schemas import ChatBody, CompletionBody
+from services.gateway.openapi import models as out
+from services.gateway.openapi.document import TEXT, Operation, answer, describe, json_of, sse_of
+from services.gateway.tgi.compat import VertexBody
+from services.gateway.tgi.schemas import CompatBody, GenerateBody, TokenizeBody
 
 
 class InvocationsBody(RootModel[CompatBody | ChatBody | CompletionBody]):

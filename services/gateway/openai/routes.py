@@ -20,21 +20,14 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from services.gateway.admission import Admitted, admit
-from services.gateway.auth import is_authorized
-from services.gateway.body import BodyError, read_json
-from services.gateway.chat_template import no_template
-from services.gateway.errors import GatewayError
-from services.gateway.fanout import Item, collect, gather_or_fail
-from services.gateway.formatting import mean_logprob, summed_headers, timing_headers
-from services.gateway.openai_errors import (
+from services.gateway.openai.errors import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
     body_error_response,
     gateway_error_response,
     unauthorized_response,
 )
-from services.gateway.openai_format import (
+from services.gateway.openai.format import (
     Envelope,
     chat_choice,
     chat_completion,
@@ -44,7 +37,7 @@ from services.gateway.openai_format import (
     response_id,
     summed_usage,
 )
-from services.gateway.openai_params import (
+from services.gateway.openai.params import (
     Fanout,
     OpenAISampling,
     chat_parameters,
@@ -53,12 +46,19 @@ from services.gateway.openai_params import (
     completion_parameters,
     openai_sampling,
 )
-from services.gateway.openai_schemas import ChatBody, CompletionBody
-from services.gateway.openai_streams import chat_events, completion_events
-from services.gateway.results import Finished, Prepared, Token
-from services.gateway.schemas import GenerateParameters
+from services.gateway.openai.schemas import ChatBody, CompletionBody
+from services.gateway.openai.streams import chat_events, completion_events
+from services.gateway.pipeline.admission import Admitted, admit
+from services.gateway.pipeline.auth import is_authorized
+from services.gateway.pipeline.body import BodyError, read_json
+from services.gateway.pipeline.chat_template import no_template
+from services.gateway.pipeline.errors import GatewayError
+from services.gateway.pipeline.fanout import Item, collect, gather_or_fail
+from services.gateway.pipeline.results import Finished, Prepared, Token
 from services.gateway.state import GatewayState
-from services.gateway.tgi_routes import KEEPALIVE_S, gateway, until_disconnect
+from services.gateway.tgi.formatting import mean_logprob, summed_headers, timing_headers
+from services.gateway.tgi.routes import KEEPALIVE_S, gateway, until_disconnect
+from services.gateway.tgi.schemas import GenerateParameters
 
 log = logging.getLogger(__name__)
 SERVED_MODEL_ALIASES = (None, "tgi")  # `model` values that mean "the served model"
@@ -145,7 +145,7 @@ async def admit_openai(
     extra: OpenAISampling,
     arrived_at: float,
 ) -> Admitted:
-    """The request through the one admission path (services/gateway/admission.py); a chat
+    """The request through the one admission path (services/gateway/pipeline/admission.py); a chat
     prompt without added special tokens (its template wrote them)."""
     admitted = await admit(
         state,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.gateway.validation import ValidatedParameters
+from services.gateway.tgi.validation import ValidatedParameters
 from shared.messages import FinishReason
 
 

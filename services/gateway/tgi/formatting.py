@@ -6,7 +6,7 @@ from typing import Any
 
 import orjson
 
-from services.gateway.results import Finished, Token
+from services.gateway.pipeline.results import Finished, Token
 
 
 def token_json(token: Token) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """Request bodies of the OpenAI-compatible routes (/v1/chat/completions, /v1/completions), as
 pydantic models that reject what TGI's serde rejects (reference §9.1, §10).
 
-Only the shape is checked here (a wrong shape is a 400 from body.py, in OpenAI's error shape);
-value rules are in openai_params.py and TGI's validation, applied after the mapping. Unknown
-fields are ignored.
+Only the shape is checked here (a wrong shape is a 400 from pipeline/body.py, in OpenAI's
+error shape); value rules are in openai/params.py and TGI's validation, applied after the
+mapping. Unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from services.gateway.schemas import UInt32, UInt64
+from services.gateway.tgi.schemas import UInt32, UInt64
 
 STRICT = ConfigDict(strict=True, extra="ignore")
 
@@ -83,7 +83,7 @@ class StreamOptions(BaseModel):
 
 
 # OpenAI's map of token ids (as JSON object keys) to biases in [-100, 100]; TGI typed it as a
-# list of floats, which is accepted when empty and refused otherwise (openai_params.py)
+# list of floats, which is accepted when empty and refused otherwise (openai/params.py)
 LogitBias = dict[str, float] | list[float]
 
 

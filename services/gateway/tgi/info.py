@@ -10,12 +10,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
-from services.gateway.errors import ValidationError, unhealthy
 from services.gateway.metrics import CONTENT_TYPE
-from services.gateway.schemas import TokenizeBody
+from services.gateway.pipeline.errors import ValidationError, unhealthy
+from services.gateway.pipeline.tokenizer import TokenizerError
 from services.gateway.state import GatewayState
-from services.gateway.tgi_routes import decode, gateway
-from services.gateway.tokenizer import TokenizerError
+from services.gateway.tgi.routes import decode, gateway
+from services.gateway.tgi.schemas import TokenizeBody
 from shared.codec import decode as decode_message
 from shared.messages import Heartbeat, WorkerReady
 

@@ -11,8 +11,8 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
-from services.gateway.errors import incomplete_generation
-from services.gateway.results import Finished, KeepAlive, Token
+from services.gateway.pipeline.errors import incomplete_generation
+from services.gateway.pipeline.results import Finished, KeepAlive, Token
 
 T = TypeVar("T")
 Item = Token | Finished | KeepAlive

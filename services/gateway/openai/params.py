@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.gateway.errors import GatewayError, ValidationError
-from services.gateway.openai_schemas import ChatBody, CompletionBody, LogitBias
-from services.gateway.schemas import GenerateParameters
+from services.gateway.openai.schemas import ChatBody, CompletionBody, LogitBias
+from services.gateway.pipeline.errors import GatewayError, ValidationError
+from services.gateway.tgi.schemas import GenerateParameters
 from shared.messages import FinishReason
 
 MAX_N = 128  # OpenAI's largest `n`

@@ -14,8 +14,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.openai_params import openai_finish_reason
-from services.gateway.results import Finished, Token
+from services.gateway.openai.params import openai_finish_reason
+from services.gateway.pipeline.results import Finished, Token
 
 DONE = "data: [DONE]\n\n"
 NO_LOGPROB = -9999.0  # what OpenAI reports for a token the sampler had ruled out (-inf)

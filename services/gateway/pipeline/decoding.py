@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 
-from services.gateway.results import Prepared, Token
-from services.gateway.stops import StopSequenceMatcher
-from services.gateway.tokenizer import IncrementalDetokenizer, TextTokenizer
+from services.gateway.pipeline.results import Prepared, Token
+from services.gateway.pipeline.stops import StopSequenceMatcher
+from services.gateway.pipeline.tokenizer import IncrementalDetokenizer, TextTokenizer
 from shared.messages import TokenEvent
 
 

@@ -13,11 +13,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from services.gateway.errors import GatewayError
-from services.gateway.fanout import Item, merge
-from services.gateway.formatting import sse
-from services.gateway.openai_errors import CHAT_FIELDS, COMPLETION_FIELDS, gateway_error_body
-from services.gateway.openai_format import (
+from services.gateway.openai.errors import CHAT_FIELDS, COMPLETION_FIELDS, gateway_error_body
+from services.gateway.openai.format import (
     DONE,
     Envelope,
     chat_chunk,
@@ -26,8 +23,11 @@ from services.gateway.openai_format import (
     summed_usage,
     visible_text,
 )
-from services.gateway.results import Finished, KeepAlive, Token
-from services.gateway.stops import StopHoldback
+from services.gateway.pipeline.errors import GatewayError
+from services.gateway.pipeline.fanout import Item, merge
+from services.gateway.pipeline.results import Finished, KeepAlive, Token
+from services.gateway.pipeline.stops import StopHoldback
+from services.gateway.tgi.formatting import sse
 
 KEEPALIVE = ":\n\n"  # an SSE comment: keeps proxies from closing a quiet stream
 

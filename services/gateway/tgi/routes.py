@@ -16,12 +16,14 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from services.gateway.admission import admit
-from services.gateway.auth import is_authorized
-from services.gateway.body import read_json
-from services.gateway.errors import BodyError, GatewayError
-from services.gateway.fanout import collect, gather_or_fail
-from services.gateway.formatting import (
+from services.gateway.pipeline.admission import admit
+from services.gateway.pipeline.auth import is_authorized
+from services.gateway.pipeline.body import read_json
+from services.gateway.pipeline.errors import BodyError, GatewayError
+from services.gateway.pipeline.fanout import collect, gather_or_fail
+from services.gateway.pipeline.results import Finished, KeepAlive, Prepared, Token
+from services.gateway.state import GatewayState
+from services.gateway.tgi.formatting import (
     mean_logprob,
     sequence_details,
     sse,
@@ -29,10 +31,8 @@ from services.gateway.formatting import (
     stream_event,
     timing_headers,
 )
-from services.gateway.results import Finished, KeepAlive, Prepared, Token
-from services.gateway.schemas import CompatBody, GenerateBody
-from services.gateway.state import GatewayState
-from services.gateway.validation import (
+from services.gateway.tgi.schemas import CompatBody, GenerateBody
+from services.gateway.tgi.validation import (
     ValidatedParameters,
     check_gates,
 )

@@ -10,8 +10,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from services.gateway.errors import ValidationError
-from services.gateway.schemas import GenerateParameters
+from services.gateway.pipeline.errors import ValidationError
+from services.gateway.tgi.schemas import GenerateParameters
 from shared.messages import SamplingParams
 
 MAX_SEED = 2**64 - 1

@@ -19,7 +19,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from services.gateway.errors import GatewayError
+from services.gateway.pipeline.errors import GatewayError
 
 
 class TemplateError(GatewayError):

@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from services.gateway.errors import BodyError, GatewayError
+from services.gateway.pipeline.errors import BodyError, GatewayError
 
 OPENAI_STATUS = {422: 400, 424: 500}  # TGI's statuses that OpenAI's API does not use
 ERROR_TYPES = {

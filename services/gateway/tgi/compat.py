@@ -14,19 +14,19 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, RootModel
 from pydantic import ValidationError as ShapeError
 
-from services.gateway.body import BodyError, read_json
-from services.gateway.errors import GatewayError, ValidationError
-from services.gateway.openai_routes import answer_chat, chat_completions, completions, render_prompt
-from services.gateway.openai_schemas import ChatBody
-from services.gateway.schemas import GenerateBody
-from services.gateway.tgi_routes import (
+from services.gateway.openai.routes import answer_chat, chat_completions, completions, render_prompt
+from services.gateway.openai.schemas import ChatBody
+from services.gateway.pipeline.body import BodyError, read_json
+from services.gateway.pipeline.errors import GatewayError, ValidationError
+from services.gateway.pipeline.tokenizer import TokenizerError
+from services.gateway.tgi.routes import (
     compat_generate,
     decode,
     gateway,
     run_generate,
     unauthorized,
 )
-from services.gateway.tokenizer import TokenizerError
+from services.gateway.tgi.schemas import GenerateBody
 
 router = APIRouter()
 

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from services.gateway.errors import ValidationError, overloaded
-from services.gateway.results import Prepared
-from services.gateway.schemas import GenerateParameters
-from services.gateway.tokenizer import TokenizerError
-from services.gateway.validation import ValidatedParameters, check_lengths, validate_parameters
+from services.gateway.pipeline.errors import ValidationError, overloaded
+from services.gateway.pipeline.results import Prepared
+from services.gateway.pipeline.tokenizer import TokenizerError
+from services.gateway.tgi.schemas import GenerateParameters
+from services.gateway.tgi.validation import ValidatedParameters, check_lengths, validate_parameters
 
 if TYPE_CHECKING:
     from services.gateway.state import GatewayState

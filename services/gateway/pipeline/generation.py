@@ -21,12 +21,17 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from redis.exceptions import RedisError
 
-from services.gateway.decoding import TextDecoder, finite
-from services.gateway.errors import GatewayError, generation_failed, overloaded, unavailable
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.replies import ReplyRouter
-from services.gateway.results import Finished, KeepAlive, Prepared, Token
-from services.gateway.tokenizer import TextTokenizer
+from services.gateway.pipeline.decoding import TextDecoder, finite
+from services.gateway.pipeline.errors import (
+    GatewayError,
+    generation_failed,
+    overloaded,
+    unavailable,
+)
+from services.gateway.pipeline.replies import ReplyRouter
+from services.gateway.pipeline.results import Finished, KeepAlive, Prepared, Token
+from services.gateway.pipeline.tokenizer import TextTokenizer
 from shared.bus import FIELD
 from shared.channels import Channels
 from shared.codec import encode

@@ -2,9 +2,9 @@
 
 The routes read their raw body themselves (to answer body errors exactly as TGI does), so
 FastAPI sees neither their request models nor their answers; `describe()` writes both into
-the generated document from a table of `Operation`s (openapi_routes.py): each route's request
+the generated document from a table of `Operation`s (openapi/routes.py): each route's request
 body (the pydantic model that decodes it), and every status it answers with the content type
-and shape of that answer (openapi_models.py). Server-sent events are documented as
+and shape of that answer (openapi/models.py). Server-sent events are documented as
 `text/event-stream`, one event per schema, the JSON of its `data:` line as a contentSchema.
 """
 
