@@ -23,6 +23,8 @@ test: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check shared services tests
+	$(VENV)/bin/ruff format --check shared services tests
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache

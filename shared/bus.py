@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
+from redis.typing import EncodableT, FieldT
 
 from shared.codec import decode, encode
 
@@ -73,7 +74,7 @@ async def wait_for_redis(client: aioredis.Redis, timeout: float = 30.0) -> None:
             delay = min(delay * 2, 1.0)
 
 
-def stream_fields(message: msgspec.Struct) -> dict[bytes, bytes]:
+def stream_fields(message: msgspec.Struct) -> dict[FieldT, EncodableT]:
     """Fields of a stream entry holding `message`."""
     return {FIELD: encode(message)}
 
@@ -104,7 +105,7 @@ async def read_stream(
     return stream_entries(await client.xread({stream: last_id}, block=block_ms), kind)
 
 
-def stream_entries(reply, kind: type[T]) -> list[tuple[bytes, T]]:
+def stream_entries(reply: Any, kind: type[T]) -> list[tuple[bytes, T]]:
     """The (entry id, message) pairs of an XREAD reply (None when it timed out)."""
     out: list[tuple[bytes, T]] = []
     for _name, entries in reply or []:
@@ -116,4 +117,14 @@ def stream_entries(reply, kind: type[T]) -> list[tuple[bytes, T]]:
 async def get_message(client: aioredis.Redis, key: str, kind: type[T]) -> T | None:
     """The message stored under a key, or None."""
     data = await client.get(key)
-    return None if data is None else decode(data, kind)
+    return None if data is None else decode(as_bytes(data), kind)
+
+
+def as_text(value: bytes | str) -> str:
+    """A Redis reply as text."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def as_bytes(value: bytes | str) -> bytes:
+    """A Redis reply as bytes (clients made with decode_responses hand over str)."""
+    return value.encode() if isinstance(value, str) else value

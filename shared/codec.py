@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 
 T = TypeVar("T")
 
 _encoder = msgspec.msgpack.Encoder()
-_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
 
 
 def encode(message: msgspec.Struct) -> bytes:
@@ -25,4 +25,4 @@ def decode(data: bytes, kind: type[T]) -> T:
     decoder = _decoders.get(kind)
     if decoder is None:
         decoder = _decoders[kind] = msgspec.msgpack.Decoder(kind)
-    return decoder.decode(data)
+    return cast(T, decoder.decode(data))

@@ -60,7 +60,8 @@ def read_json(folder: Path, name: str) -> dict[str, Any]:
     file = folder / name
     if not file.is_file():
         return {}
-    return json.loads(file.read_text())
+    data: dict[str, Any] = json.loads(file.read_text())
+    return data
 
 
 def eos_token_ids(folder: Path) -> list[int]:

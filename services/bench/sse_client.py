@@ -45,7 +45,7 @@ class _Connection(asyncio.Protocol):
         self.in_head = True
         self.is_lost = False
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport) -> None:
         self.transport = transport
 
     def connection_lost(self, exc: Exception | None) -> None:

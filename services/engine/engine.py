@@ -206,9 +206,10 @@ class Engine:
         ]
         request_ids = [self.add(ids, max_new_tokens, sampling) for ids in tokenized]
         self.run()
+        given: list[str | list[int]] = list(prompts)
         return [
             self.take(request_id, prompt)
-            for prompt, request_id in zip(prompts, request_ids, strict=True)
+            for prompt, request_id in zip(given, request_ids, strict=True)
         ]
 
     def take(self, request_id: str, prompt: str | list[int] | None = None) -> Output:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import uvicorn
 
 from services.gateway.app import create_app
@@ -20,6 +22,6 @@ def run(settings: Settings) -> None:
         port=settings.port,
         log_level=settings.log_level.lower(),
         # SIGTERM: stop accepting, let open streams finish for up to the grace period
-        timeout_graceful_shutdown=settings.shutdown_grace,
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_grace),
         log_config=None,
     )

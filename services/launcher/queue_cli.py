@@ -22,7 +22,7 @@ from typing import Any
 import redis
 
 from services.launcher.queue_view import GroupView, QueueSnapshot, QueueView, RequestState
-from shared.bus import redact_url
+from shared.bus import as_text, redact_url
 from shared.settings import Settings, describe_invalid
 
 CONFIRM_TIMEOUT_S = 5.0  # drain/undrain wait this long for the scheduler to report the change
@@ -117,7 +117,7 @@ def set_drain(view: QueueView, group: str, draining: bool, wait: bool) -> int:
     """Write (or delete) the drain key, then wait for the scheduler's stats to agree."""
     key = view.channels.drain(group)
     written_at = time.time()
-    known = {g.decode() for g in view.client.smembers(view.channels.groups)}
+    known = {as_text(g) for g in view.client.smembers(view.channels.groups)}
     if draining:
         view.client.set(key, b"1")
     else:
@@ -183,12 +183,12 @@ def show_snapshot(snapshot: QueueSnapshot, as_json: bool) -> None:
     print(f"lanes (entries): {lanes}")
     print()
     header = ("GROUP", "STATE", "BLOCKS", "KV USE", "RUN", "WAIT", "PENDING", "HEARTBEAT")
-    rows = [header + ("STEPS", "FINISHED", "PREEMPTED", "DEVICE", "MODEL")]
+    rows: list[tuple[str, ...]] = [header + ("STEPS", "FINISHED", "PREEMPTED", "DEVICE", "MODEL")]
     rows += [_group_row(g) for g in snapshot.groups]
     _table(rows)
     if snapshot.consumers:
         print()
-        rows = [("CONSUMER", "GROUP", "PENDING", "IDLE")]
+        rows = [("CONSUMER", "GROUP", "PENDING", "IDLE")]  # a table of its own
         rows += [
             (c.name, c.group, str(c.num_pending), _seconds(c.idle_s)) for c in snapshot.consumers
         ]

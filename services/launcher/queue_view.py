@@ -283,7 +283,7 @@ class QueueView:
         num_queued_ahead = 0
         start = "-"
         while True:
-            page = self.client.xrange(key, min=start, count=SCAN_PAGE)
+            page: Any = self.client.xrange(key, min=start, count=SCAN_PAGE)
             for entry_id, fields in page:
                 is_queued = stream_id(entry_id) > delivered_up_to
                 try:
@@ -314,7 +314,7 @@ class QueueView:
         )
         if is_queued:
             return state
-        pending = self.client.xpending_range(
+        pending: Any = self.client.xpending_range(
             self.channels.requests, SCHEDULER_GROUP, min=entry_id, max=entry_id, count=1
         )
         if not pending:

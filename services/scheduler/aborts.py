@@ -54,7 +54,7 @@ class AbortListener:
                 backoff = min(backoff * 2, 5.0)
             finally:
                 try:
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
                 except REDIS_ERRORS:
                     pass
 

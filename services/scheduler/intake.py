@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.typing import KeyT, StreamIdT
 
 from services.scheduler.aborts import AbortListener
 from services.scheduler.lanes import LaneReader
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.recovery import (
     Unreadable,
-    as_text,
     claim_abandoned,
     dead_letter,
     group_by_stream,
@@ -30,7 +31,7 @@ from services.scheduler.recovery import (
     parse_request,
 )
 from services.scheduler.request import SchedRequest
-from shared.bus import ensure_group, stream_fields
+from shared.bus import as_text, ensure_group, stream_fields
 from shared.channels import SCHEDULER_GROUP, Channels
 from shared.messages import GenerateRequest
 
@@ -66,12 +67,9 @@ class RequestIntake:
         there are none and `block`, wait on every lane for the next arrival."""
         entries = await self.lanes.read(room)
         if not entries and block:
-            reply = await self.redis.xreadgroup(
-                SCHEDULER_GROUP,
-                self.consumer,
-                {lane: ">" for lane in self.channels.lanes},
-                count=1,
-                block=IDLE_BLOCK_MS,
+            lanes: dict[KeyT, StreamIdT] = {lane: ">" for lane in self.channels.lanes}
+            reply: Any = await self.redis.xreadgroup(
+                SCHEDULER_GROUP, self.consumer, lanes, count=1, block=IDLE_BLOCK_MS
             )
             entries = [
                 (as_text(lane), entry_id, fields)

@@ -62,10 +62,6 @@ async def dead_letter(
     )
 
 
-def as_text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def group_by_stream(entries: list[tuple[str, bytes]]) -> dict[str, list[bytes]]:
     """(stream, entry id) pairs by stream, without the placeholder id of in-process tests."""
     by_stream: dict[str, list[bytes]] = {}
@@ -80,7 +76,8 @@ async def keep_fresh(
 ) -> None:
     """Reset the idle time of the entries this scheduler holds, so nobody claims them."""
     for stream, entry_ids in group_by_stream(entries).items():
-        await redis.xclaim(stream, SCHEDULER_GROUP, consumer, 0, entry_ids, justid=True)
+        ids: list[int | bytes | str | memoryview] = list(entry_ids)
+        await redis.xclaim(stream, SCHEDULER_GROUP, consumer, 0, ids, justid=True)
 
 
 async def claim_abandoned(

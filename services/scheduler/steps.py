@@ -10,6 +10,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
+from redis.typing import KeyT, StreamIdT
 
 from services.scheduler.metrics import SchedulerMetrics
 from shared.bus import read_stream, stream_entries, stream_fields
@@ -60,7 +61,7 @@ class StepChannel:
                 approximate=True,
             )
             if not self.has_room:
-                results = {self.channels.results(self.group): self._last_id}
+                results: dict[KeyT, StreamIdT] = {self.channels.results(self.group): self._last_id}
                 pipe.xread(results, block=RESULT_BLOCK_MS)
             replies = await pipe.execute()
         if len(replies) > 1:

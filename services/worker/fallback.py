@@ -15,6 +15,7 @@ import bisect
 import inspect
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -29,10 +30,10 @@ class OwnCache(ForwardBackend):
     can_speculate = False
     uses_paged_cache = False
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
-        self.model = model
+    def __init__(self, model: Any, device: torch.device) -> None:
+        self.model = model  # a transformers model: its parts are read by name
         self.device = device
-        self.caches: dict[str, object] = {}  # request id -> its DynamicCache
+        self.caches: dict[str, Any] = {}  # request id -> its DynamicCache
         self._takes_positions = (
             "position_ids" in inspect.signature(model.base_model.forward).parameters
         )
@@ -90,7 +91,7 @@ class EncoderDecoder(OwnCache):
     After preemption the decoder is rebuilt from the start token and the tokens generated so
     far. Prompt logprobs do not exist for such models (NaN)."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    def __init__(self, model: Any, device: torch.device) -> None:
         super().__init__(model, device)
         self.encoded: dict[str, torch.Tensor] = {}  # request id -> encoder output [1, len, d]
         self.start_token_id = int(self.model.config.decoder_start_token_id or 0)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -120,7 +121,7 @@ class Layer:
 
 
 def unsupported_reason(
-    model: torch.nn.Module, device: torch.device, quantize: str | None, world_size: int
+    model: Any, device: torch.device, quantize: str | None, world_size: int
 ) -> str | None:
     """Why the fast decoder cannot run this model, or None when it can."""
     config = model.config
@@ -157,22 +158,25 @@ class FastDecoder:
     """`decoder(input_ids, position_ids, tables, kv_cache, keep_rows)` -> the logits of the
     kept rows, for a batch packed as one sequence (services/worker/runner.py)."""
 
-    def __init__(self, model: torch.nn.Module, ops: kernels.CpuKernels) -> None:
+    def __init__(self, model: Any, ops: kernels.CpuKernels) -> None:
+        """`model`: a transformers Llama-shaped model, its parts read by name."""
         self.ops = ops
         config = model.config
         decoder = model.model
         self.rotary = decoder.rotary_emb
-        self.embed = decoder.embed_tokens.weight.detach()  # [vocab, hidden]
-        self.norm = decoder.norm.weight.detach()
-        self.eps = decoder.norm.variance_epsilon
-        self.num_heads = config.num_attention_heads  # the kernels take the KV shape from the cache
+        self.embed: torch.Tensor = decoder.embed_tokens.weight.detach()  # [vocab, hidden]
+        self.norm: torch.Tensor = decoder.norm.weight.detach()
+        self.eps: float = decoder.norm.variance_epsilon
+        self.num_heads: int = (
+            config.num_attention_heads
+        )  # the kernels take the KV shape from the cache
         self.layers = [self._layer(layer, config) for layer in decoder.layers]
         self.lm_head = PackedLinear(model.get_output_embeddings().weight.detach())
         head = model.get_output_embeddings()
         if head.weight.data_ptr() != self.embed.data_ptr():  # untied: release the copy
             head.weight = torch.nn.Parameter(head.weight.new_empty(0), requires_grad=False)
 
-    def _layer(self, layer: torch.nn.Module, config) -> Layer:
+    def _layer(self, layer: Any, config: Any) -> Layer:
         attention, mlp = layer.self_attn, layer.mlp
         if hasattr(attention, "sliding_window"):
             window = attention.sliding_window
@@ -235,7 +239,7 @@ class FastDecoder:
 
 
 def build(
-    model: torch.nn.Module,
+    model: Any,
     device: torch.device,
     quantize: str | None,
     world_size: int,
@@ -246,7 +250,7 @@ def build(
     reason = unsupported_reason(model, device, quantize, world_size)
     if reason is None and ops is None:
         reason = "the CPU kernels are off (--disable-cpu-kernels) or could not be built"
-    if reason is not None:
+    if reason is not None or ops is None:
         log.info("fast CPU decoder not used: %s", reason)
         return None
     decoder = FastDecoder(model, ops)

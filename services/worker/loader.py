@@ -71,7 +71,7 @@ def pick_dtype(name: str, device: torch.device, config_dtype: torch.dtype | None
         return DTYPES[name]
     if device.type == "cpu":
         native = CPU_NATIVE.get(config_dtype, set()) if config_dtype else set()
-        return config_dtype if native & cpu_flags() else torch.float32
+        return config_dtype if config_dtype and native & cpu_flags() else torch.float32
     return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
@@ -101,7 +101,7 @@ def check_supported(config) -> str:
         log.warning(
             "%s does not route attention through transformers' attention interface: it runs "
             "on the fallback runner (each request on its own cache, no prefix caching)",
-            model_class.__name__,
+            getattr(model_class, "__name__", model_class),
         )
         return FALLBACK
     return "paged"
@@ -169,7 +169,7 @@ def load_model(
             f"cannot load {model_id} with --quantize {quantize}: {exc}"
         ) from exc
     if not quantize and world_size == 1:  # sharded weights are placed while loading
-        model.to(target)
+        model.to(target)  # type: ignore[arg-type]  # transformers' stubs miss the device form
     model.eval()
     text_config = config.get_text_config()
     num_heads = text_config.num_attention_heads

@@ -109,7 +109,7 @@ def paged_attention_forward(
     meta: AttentionMetadata = kwargs[METADATA_KWARG]
     if softcap:
         raise NotImplementedError("attention logit soft-capping is not supported yet")
-    layer = module.layer_idx
+    layer: int = module.layer_idx  # type: ignore[assignment]  # an int set by transformers
     k_cache = meta.kv_cache.keys[layer]  # [num_slots, num_kv_heads, head_dim]
     v_cache = meta.kv_cache.values[layer]
     k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))

@@ -95,13 +95,13 @@ class ModelRunner:
             self.requests[state.request_id] = state
             scheduled.append(state)
         for running in plan.running:
-            state = self.requests.get(running.request_id)
-            if state is None:  # it finished in the previous step (overlapped scheduling)
+            held = self.requests.get(running.request_id)
+            if held is None:  # it finished in the previous step (overlapped scheduling)
                 log.debug("plan %d names finished request %s", plan.step_id, running.request_id)
                 continue
-            state.block_ids.extend(running.new_block_ids)
-            state.num_scheduled_tokens = running.num_scheduled_tokens
-            scheduled.append(state)
+            held.block_ids.extend(running.new_block_ids)
+            held.num_scheduled_tokens = running.num_scheduled_tokens
+            scheduled.append(held)
         return scheduled
 
     def _pack(self, scheduled: list[RequestState]) -> PackedBatch:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import redis
 from redis.exceptions import ResponseError
@@ -36,7 +37,7 @@ Command = Sequence[str | bytes | int]
 Entry = tuple[bytes, dict[bytes, bytes]]  # (entry id, fields)
 
 
-def xadd(stream: str, fields: dict[bytes, bytes], maxlen: int) -> Command:
+def xadd(stream: str, fields: Mapping[Any, Any], maxlen: int) -> Command:
     """XADD `stream` MAXLEN ~ `maxlen` * `fields`, for `StepLink.send`."""
     return (
         "XADD",

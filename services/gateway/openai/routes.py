@@ -119,7 +119,7 @@ async def run(
     """One generation's items; a failure is counted, then raised."""
     state.metrics.request_started()
     try:
-        async for item in state.generator.stream(prepared, keepalive_s=keepalive_s):
+        async for item in state.generations().stream(prepared, keepalive_s=keepalive_s):
             yield item
     except GatewayError as exc:
         state.metrics.request_failed(exc.metric_label)

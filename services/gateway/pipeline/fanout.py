@@ -8,8 +8,8 @@ their slots come back before the answer does).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import TypeVar, cast
 
 from services.gateway.pipeline.errors import incomplete_generation
 from services.gateway.pipeline.results import Finished, KeepAlive, Token
@@ -44,16 +44,17 @@ async def merge(
     try:
         while num_running:
             try:
-                index, item = await asyncio.wait_for(queue.get(), keepalive_s)
+                got: tuple[int, object] = await asyncio.wait_for(queue.get(), keepalive_s)
             except TimeoutError:
                 yield 0, KeepAlive()
                 continue
-            if item is _END:
+            index, entry = got
+            if entry is _END:
                 num_running -= 1
-            elif isinstance(item, Exception):
-                raise item
+            elif isinstance(entry, Exception):
+                raise entry
             else:
-                yield index, item  # type: ignore[misc]
+                yield index, cast(Item, entry)
     finally:
         for task in tasks:
             task.cancel()
@@ -71,7 +72,7 @@ async def collect(items: AsyncIterator[Item]) -> tuple[list[Token], Finished]:
     raise incomplete_generation()
 
 
-async def gather_or_fail(works: list[Awaitable[T]]) -> list[T]:
+async def gather_or_fail(works: Sequence[Awaitable[T]]) -> list[T]:
     """All results in order; the first failure cancels the others and is raised."""
     tasks = [asyncio.ensure_future(work) for work in works]
     try:

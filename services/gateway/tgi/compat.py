@@ -124,7 +124,7 @@ async def predict(
         raise ValidationError(f"invalid instance: {exc.errors()[0]['msg']}") from exc
     if answer.status_code != 200:
         return answer
-    payload = json.loads(answer.body)
+    payload = json.loads(bytes(answer.body))
     if "choices" in payload:
         return payload["choices"][0]["message"].get("content") or ""
     return payload["generated_text"]

@@ -16,6 +16,7 @@ from services.gateway.pipeline.tokenizer import TokenizerError
 from services.gateway.state import GatewayState
 from services.gateway.tgi.routes import decode, gateway
 from services.gateway.tgi.schemas import TokenizeBody
+from shared.bus import as_bytes
 from shared.codec import decode as decode_message
 from shared.messages import Heartbeat, WorkerReady
 
@@ -27,7 +28,7 @@ HEALTH_TIMEOUT_S = 2.0
 async def has_ready_group(state: GatewayState) -> bool:
     """Redis answers and some worker group has its WorkerReady key and a live heartbeat whose
     last step succeeded (busy is not unhealthy: a full queue does not matter here)."""
-    client, channels = state.client, state.channels
+    client, channels = state.redis(), state.channels
     if state.router is None or not state.router.is_subscribed:
         return False  # Redis is down (the reply subscription is retrying): answer at once
     try:
@@ -54,11 +55,11 @@ async def any_worker(state: GatewayState) -> WorkerReady | None:
     """The WorkerReady of some registered group (they all serve the one model), or None."""
     try:
         async with asyncio.timeout(HEALTH_TIMEOUT_S):
-            for raw in sorted(await state.client.smembers(state.channels.groups)):
+            for raw in sorted(await state.redis().smembers(state.channels.groups)):
                 group = raw.decode() if isinstance(raw, bytes) else str(raw)
-                ready = await state.client.get(state.channels.worker(group))
+                ready = await state.redis().get(state.channels.worker(group))
                 if ready is not None:
-                    return decode_message(ready, WorkerReady)
+                    return decode_message(as_bytes(ready), WorkerReady)
     except (RedisError, OSError, TimeoutError) as exc:
         log.debug("/info: Redis unreachable: %s", exc)
     return None

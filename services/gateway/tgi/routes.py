@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from services.gateway.pipeline.admission import admit
 from services.gateway.pipeline.auth import is_authorized
@@ -38,6 +39,7 @@ from services.gateway.tgi.validation import (
 )
 
 T = TypeVar("T")
+Body = TypeVar("Body", bound=BaseModel)  # a request body model
 KEEPALIVE_S = 15.0
 router = APIRouter()
 
@@ -93,7 +95,7 @@ async def run_generate(
         best_of = check_gates(params, state.limits, is_stream=False)
         admitted = await admit(state, [body.inputs], [params] * best_of, arrived_at)
         try:
-            runs = [collect(state.generator.stream(p)) for p in admitted.generations]
+            runs = [collect(state.generations().stream(p)) for p in admitted.generations]
             results = await until_disconnect(request, gather_or_fail(runs))
         finally:
             admitted.held.release()
@@ -164,7 +166,7 @@ async def token_events(state: GatewayState, prepared: Prepared, full_text: bool)
     params = prepared.params
     prefix = prepared.inputs if full_text else ""
     last: Token | None = None
-    async for item in state.generator.stream(prepared, keepalive_s=KEEPALIVE_S):
+    async for item in state.generations().stream(prepared, keepalive_s=KEEPALIVE_S):
         if isinstance(item, KeepAlive):
             yield ":\n\n"
         elif isinstance(item, Token):
@@ -195,7 +197,7 @@ def stream_response(
     )
 
 
-async def decode(state: GatewayState, request: Request, model: type[T]) -> T | Response:
+async def decode(state: GatewayState, request: Request, model: type[Body]) -> Body | Response:
     denied = unauthorized(state, request)
     if denied is not None:
         return denied
