@@ -19,8 +19,6 @@ from services.gateway.openai.format import (
     Envelope,
     chat_choice,
     chat_chunk,
-    chat_completion,
-    completion,
     completion_choice,
     completion_chunk,
     completion_logprobs,
@@ -357,7 +355,7 @@ def test_chat_shapes():
     top = Token(0, 9, " Ho", -1.5, False)
     tokens = [Token(1, 8, "Hi!", -0.25, False, [top]), Token(2, 2, "</s>", None, True)]
     choice = chat_choice(0, tokens, finished(), has_logprobs=True)
-    answer = chat_completion(META, [choice], summed_usage([finished()], [finished()]))
+    answer = META.answer("chat.completion", [choice], summed_usage([finished()], [finished()]))
     assert answer["object"] == "chat.completion" and answer["id"] == "chatcmpl-1"
     assert answer["choices"][0]["message"] == {"role": "assistant", "content": "Hi!"}
     assert answer["choices"][0]["finish_reason"] == "stop"
@@ -392,7 +390,7 @@ def test_completion_shapes():
     meta = Envelope(id="cmpl-1", model="m", created=123, system_fingerprint="fp")
     results = [finished(num_input=3), finished(FinishReason.LENGTH, num_input=4)]
     choices = [completion_choice(i, "x", None, f) for i, f in enumerate(results)]
-    both = completion(meta, choices, summed_usage(results, results))
+    both = meta.answer("text_completion", choices, summed_usage(results, results))
     assert both["id"] == "cmpl-1" and both["object"] == "text_completion"
     assert [c["index"] for c in both["choices"]] == [0, 1]
     assert [c["finish_reason"] for c in both["choices"]] == ["stop", "length"]

@@ -46,6 +46,14 @@ class Envelope:
             "choices": choices,
         }
 
+    def answer(
+        self, obj: str, choices: list[dict[str, Any]], usage: dict[str, int]
+    ) -> dict[str, Any]:
+        """A whole (non-streamed) answer: its choices and its usage."""
+        answer = self.wrap(obj, choices)
+        answer["usage"] = usage
+        return answer
+
     def chunk(self, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
         """A streamed chunk of one choice."""
         chunk = self.wrap(obj, [choice])
@@ -114,14 +122,6 @@ def chat_choice(index: int, tokens: list[Token], finished: Finished, has_logprob
     }
 
 
-def chat_completion(
-    envelope: Envelope, choices: list[dict[str, Any]], usage: dict[str, int]
-) -> dict[str, Any]:
-    answer = envelope.wrap("chat.completion", choices)
-    answer["usage"] = usage
-    return answer
-
-
 def chat_chunk(
     envelope: Envelope,
     index: int,
@@ -173,14 +173,6 @@ def completion_choice(index: int, text: str, logprobs: dict | None, finished: Fi
         "logprobs": logprobs,
         "finish_reason": openai_finish_reason(finished.finish_reason),
     }
-
-
-def completion(
-    envelope: Envelope, choices: list[dict[str, Any]], usage: dict[str, int]
-) -> dict[str, Any]:
-    answer = envelope.wrap("text_completion", choices)
-    answer["usage"] = usage
-    return answer
 
 
 def completion_chunk(

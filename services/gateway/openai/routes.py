@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from services.gateway.openai.errors import (
     CHAT_FIELDS,
@@ -30,8 +31,6 @@ from services.gateway.openai.errors import (
 from services.gateway.openai.format import (
     Envelope,
     chat_choice,
-    chat_completion,
-    completion,
     completion_choice,
     completion_logprobs,
     response_id,
@@ -57,7 +56,7 @@ from services.gateway.pipeline.fanout import Item, collect, gather_or_fail
 from services.gateway.pipeline.results import Finished, Prepared, Token
 from services.gateway.state import GatewayState
 from services.gateway.tgi.formatting import mean_logprob, summed_headers, timing_headers
-from services.gateway.tgi.routes import KEEPALIVE_S, gateway, until_disconnect
+from services.gateway.tgi.routes import KEEPALIVE_S, Answer, gateway, until_disconnect
 from services.gateway.tgi.schemas import GenerateParameters
 
 log = logging.getLogger(__name__)
@@ -89,7 +88,9 @@ def stream_headers(state: GatewayState, num_characters: int) -> dict[str, str]:
     }
 
 
-async def decode_openai(state: GatewayState, request: Request, model: type) -> object:
+async def decode_openai(
+    state: GatewayState, request: Request, model: type[BaseModel]
+) -> BaseModel | Response:
     """The request body as `model`, or the OpenAI-shaped error response (401, 4xx)."""
     if not is_authorized(state.settings.api_key, request.headers.get("authorization")):
         state.metrics.request_unauthorized()
@@ -187,16 +188,24 @@ def render_prompt(state: GatewayState, body: ChatBody) -> str:
     return state.chat_template.render([message.for_template() for message in body.messages])
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request) -> Response:
+async def handle_openai(
+    request: Request, model: type[BaseModel], answer: Answer, fields: dict[str, str]
+) -> Response:
+    """An OpenAI route: its arrival time, the key and the body, then `answer` (state,
+    request, body, arrived_at); whatever refuses it is answered in OpenAI's error shape."""
     arrived_at, state = time.time(), gateway(request)
-    body = await decode_openai(state, request, ChatBody)
+    body = await decode_openai(state, request, model)
     if isinstance(body, Response):
         return body
     try:
-        return await answer_chat(state, request, body, arrived_at)  # type: ignore[arg-type]
+        return await answer(state, request, body, arrived_at)
     except GatewayError as exc:
-        return gateway_error_response(exc, CHAT_FIELDS)
+        return gateway_error_response(exc, fields)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await handle_openai(request, ChatBody, answer_chat, CHAT_FIELDS)
 
 
 async def answer_chat(
@@ -236,7 +245,7 @@ async def answer_chat(
         if len(ended) == 1
         else summed_headers(ended, state.compute_type, len(prompt))
     )
-    answer = chat_completion(meta, choices, summed_usage(ended[:1], ended))
+    answer = meta.answer("chat.completion", choices, summed_usage(ended[:1], ended))
     return JSONResponse(answer, headers=headers)
 
 
@@ -245,14 +254,7 @@ async def answer_chat(
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    arrived_at, state = time.time(), gateway(request)
-    body = await decode_openai(state, request, CompletionBody)
-    if isinstance(body, Response):
-        return body
-    try:
-        return await answer_completions(state, request, body, arrived_at)  # type: ignore[arg-type]
-    except GatewayError as exc:
-        return gateway_error_response(exc, COMPLETION_FIELDS)
+    return await handle_openai(request, CompletionBody, answer_completions, COMPLETION_FIELDS)
 
 
 async def answer_completions(
@@ -297,7 +299,8 @@ async def answer_completions(
     ended = [finished for _, finished in results]
     firsts = ended[:: fanout.best_of]  # each prompt once
     headers = summed_headers(ended, state.compute_type, num_characters)
-    return JSONResponse(completion(meta, choices, summed_usage(firsts, ended)), headers=headers)
+    answer = meta.answer("text_completion", choices, summed_usage(firsts, ended))
+    return JSONResponse(answer, headers=headers)
 
 
 # --- models ----------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -23,6 +22,7 @@ from services.gateway.tgi.routes import (
     compat_generate,
     decode,
     gateway,
+    handle,
     run_generate,
     unauthorized,
 )
@@ -93,10 +93,10 @@ async def invocations(request: Request) -> Response:
 @router.post("/vertex")
 async def vertex(request: Request) -> Response:
     """Vertex AI: {"instances": [...]} -> {"predictions": [generated text, ...]}."""
-    arrived_at, state = time.time(), gateway(request)
-    body = await decode(state, request, VertexBody)
-    if isinstance(body, Response):
-        return body
+    return await handle(request, VertexBody, answer_vertex)
+
+
+async def answer_vertex(state, request: Request, body: VertexBody, arrived_at: float) -> Response:
     if not body.instances:
         return ValidationError("`instances` cannot be empty", param="instances").response()
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -207,32 +207,46 @@ async def decode(state: GatewayState, request: Request, model: type[Body]) -> Bo
         return exc.response()
 
 
-@router.post("/generate")
-async def generate(request: Request) -> Response:
+Answer = Callable[[GatewayState, Request, Any, float], Awaitable[Response]]
+
+
+async def handle(request: Request, model: type[BaseModel], answer: Answer) -> Response:
+    """A TGI route: its arrival time, the key and the body (TGI's rejections), then `answer`
+    (state, request, body, arrived_at)."""
     arrived_at, state = time.time(), gateway(request)
-    body = await decode(state, request, GenerateBody)
+    body = await decode(state, request, model)
     if isinstance(body, Response):
         return body
+    return await answer(state, request, body, arrived_at)
+
+
+async def answer_generate(state, request, body: GenerateBody, arrived_at: float) -> Response:
     return await run_generate(state, request, body, arrived_at, False, as_list=False)
+
+
+async def answer_stream(state, request, body: GenerateBody, arrived_at: float) -> Response:
+    return stream_response(state, body, arrived_at, default_full_text=False)
+
+
+async def answer_compat(state, request, body: CompatBody, arrived_at: float) -> Response:
+    """`stream` picks SSE; non-stream answers a one-element array. return_full_text defaults
+    to true here (local models have no pipeline tag: quirk)."""
+    if body.stream:
+        return stream_response(state, body, arrived_at, default_full_text=True)
+    return await run_generate(state, request, body, arrived_at, True, as_list=True)
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    return await handle(request, GenerateBody, answer_generate)
 
 
 @router.post("/generate_stream")
 async def generate_stream(request: Request) -> Response:
-    arrived_at, state = time.time(), gateway(request)
-    body = await decode(state, request, GenerateBody)
-    if isinstance(body, Response):
-        return body
-    return stream_response(state, body, arrived_at, default_full_text=False)
+    return await handle(request, GenerateBody, answer_stream)
 
 
 @router.post("/")
 async def compat_generate(request: Request) -> Response:
-    """TGI's compat route: `stream` picks SSE; non-stream answers a one-element array.
-    return_full_text defaults to true here (local models have no pipeline tag: quirk)."""
-    arrived_at, state = time.time(), gateway(request)
-    body = await decode(state, request, CompatBody)
-    if isinstance(body, Response):
-        return body
-    if body.stream:
-        return stream_response(state, body, arrived_at, default_full_text=True)
-    return await run_generate(state, request, body, arrived_at, True, as_list=True)
+    """TGI's compat route (what the text-generation client and huggingface_hub post to)."""
+    return await handle(request, CompatBody, answer_compat)
