@@ -76,9 +76,7 @@ class RequestIntake:
                 for lane, lane_entries in reply or []
                 for entry_id, fields in lane_entries
             ]
-        taken = [await self._take(lane, entry_id, fields) for lane, entry_id, fields in entries]
-        self.metrics.pulled.inc(sum(1 for t in taken if t is not None))
-        return [t for t in taken if t is not None]
+        return await self._take_all(entries)
 
     async def claim(self, room: int) -> list[Taken]:
         """Up to `room` requests of schedulers silent for claim_timeout."""
@@ -86,9 +84,14 @@ class RequestIntake:
             self.redis, self.channels, self.consumer, self.claim_timeout, room
         )
         self.metrics.claimed.inc(len(claimed))
-        taken = [await self._take(lane, entry_id, fields) for lane, entry_id, fields in claimed]
-        self.metrics.pulled.inc(sum(1 for t in taken if t is not None))
-        return [t for t in taken if t is not None]
+        return await self._take_all(claimed)
+
+    async def _take_all(self, entries: list[tuple[str, bytes, dict[bytes, bytes]]]) -> list[Taken]:
+        """The requests of `entries` that are to be scheduled (counted as pulled)."""
+        taken = [await self._take(lane, entry_id, fields) for lane, entry_id, fields in entries]
+        kept = [t for t in taken if t is not None]
+        self.metrics.pulled.inc(len(kept))
+        return kept
 
     async def _take(self, lane: str, entry_id: bytes, fields: dict[bytes, bytes]) -> Taken | None:
         """The entry's request, or None once it is acknowledged away (aborted, expired,

@@ -46,7 +46,7 @@ class PackedBatch:
     context_lens: list[int]  # [num_requests] cached tokens per request after this step
     block_tables: list[list[int]]  # per request: its block ids (may reserve blocks ahead)
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each packed token
-    sample_rows: torch.Tensor  # [num_sampling] packed index of each sampling request's last token
+    sample_rows: list[int]  # [num_sampling] packed index of each sampling request's last token
     sampling: list[RequestState]  # requests that sample this step, in row order
     prompt_rows: list[int]  # packed rows whose logits score the next prompt token
     prompt_targets: list[int]  # the prompt token each of prompt_rows scores
@@ -59,7 +59,7 @@ class PackedBatch:
     @property
     def kept_rows(self) -> list[int]:
         """The rows whose logits the step needs: sampling, then drafts, then prompt rows."""
-        return self.sample_rows.tolist() + self.draft_rows + self.prompt_rows
+        return self.sample_rows + self.draft_rows + self.prompt_rows
 
 
 class ForwardBackend(ABC):

@@ -146,7 +146,7 @@ class ModelRunner:
             context_lens=context_lens,
             block_tables=[s.block_ids for s in scheduled],
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            sample_rows=sample_rows,
             sampling=sampling,
             prompt_rows=prompt_rows,
             prompt_targets=prompt_targets,

@@ -55,7 +55,12 @@ from services.gateway.pipeline.errors import GatewayError
 from services.gateway.pipeline.fanout import Item, collect, gather_or_fail
 from services.gateway.pipeline.results import Finished, Prepared, Token
 from services.gateway.state import GatewayState
-from services.gateway.tgi.formatting import mean_logprob, summed_headers, timing_headers
+from services.gateway.tgi.formatting import (
+    mean_logprob,
+    stream_headers,
+    summed_headers,
+    timing_headers,
+)
 from services.gateway.tgi.routes import KEEPALIVE_S, Answer, gateway, until_disconnect
 from services.gateway.tgi.schemas import GenerateParameters
 
@@ -77,15 +82,6 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.on_close()
-
-
-def stream_headers(state: GatewayState, num_characters: int) -> dict[str, str]:
-    return {
-        "x-compute-type": state.compute_type,
-        "x-compute-characters": str(num_characters),
-        "X-Accel-Buffering": "no",
-        "Cache-Control": "no-cache",
-    }
 
 
 async def decode_openai(
@@ -119,12 +115,9 @@ async def run(
 ) -> AsyncIterator[Item]:
     """One generation's items; a failure is counted, then raised."""
     state.metrics.request_started()
-    try:
+    with failures_counted(state):
         async for item in state.generations().stream(prepared, keepalive_s=keepalive_s):
             yield item
-    except GatewayError as exc:
-        state.metrics.request_failed(exc.metric_label)
-        raise
 
 
 async def run_all(
@@ -228,7 +221,7 @@ async def answer_chat(
     if body.stream:
         streams = [run(state, p, KEEPALIVE_S) for p in generations]
         events = chat_events(meta, streams, stop, has_logprobs, KEEPALIVE_S)
-        return EventStream(events, stream_headers(state, len(prompt)), held.release)
+        return EventStream(events, stream_headers(state.compute_type, len(prompt)), held.release)
     try:
         results = await run_all(state, request, generations)
     finally:
@@ -278,7 +271,7 @@ async def answer_completions(
         events = completion_events(
             meta, streams, prompts, stop, body.logprobs, body.echo, KEEPALIVE_S
         )
-        return EventStream(events, stream_headers(state, num_characters), held.release)
+        return EventStream(events, stream_headers(state.compute_type, num_characters), held.release)
     try:
         results = await run_all(state, request, generations)
     finally:

@@ -27,9 +27,7 @@ from services.gateway.pipeline.errors import GatewayError
 from services.gateway.pipeline.fanout import Item, merge
 from services.gateway.pipeline.results import Finished, KeepAlive, Token
 from services.gateway.pipeline.stops import StopHoldback
-from services.gateway.tgi.formatting import sse
-
-KEEPALIVE = ":\n\n"  # an SSE comment: keeps proxies from closing a quiet stream
+from services.gateway.tgi.formatting import KEEPALIVE, sse
 
 
 @dataclass
@@ -37,7 +35,6 @@ class ChoiceStream:
     """One choice while it streams."""
 
     holdback: StopHoldback
-    text_offset: int = 0  # where the next token's text starts in the choice's text (logprobs)
     finished: Finished | None = None
     tokens: list[Token] = field(default_factory=list)  # this step's token, for its logprobs
 

@@ -3,9 +3,9 @@
 `Generator.stream()` sends the GenerateRequest (XADD on the request stream), waits for the
 worker's TokenEvents (demultiplexed by ReplyRouter), turns them into text (decoding.py:
 incremental detokenizing, stop strings) and yields `Token` items then one `Finished`
-(results.py). It aborts the request on the bus
-(PUBLISH on the aborts channel) when the client goes away, a stop string matches, or the
-deadline passes. /generate, /generate_stream and the OpenAI routes all consume it.
+(results.py). It aborts the request on the bus (PUBLISH on the aborts channel) when the client
+goes away, a stop string matches, or the deadline passes. /generate, /generate_stream and the
+OpenAI routes all consume it.
 """
 
 from __future__ import annotations
@@ -114,8 +114,7 @@ class Generator:
         """Run one generation; raises GatewayError on failure.
 
         Yields each Token but the last, then one Finished holding the last token (the end,
-        and the only one), and
-        KeepAlive after `keepalive_s` of silence when asked.
+        and the only one), and KeepAlive after `keepalive_s` of silence when asked.
         """
         request_id = uuid.uuid4().hex
         span = tracer(__name__).start_span(

@@ -13,6 +13,19 @@ def token_json(token: Token) -> dict[str, Any]:
     return {"id": token.id, "text": token.text, "logprob": token.logprob, "special": token.special}
 
 
+KEEPALIVE = ":\n\n"  # an SSE comment: keeps proxies from closing a quiet stream
+
+
+def stream_headers(compute_type: str, num_characters: int) -> dict[str, str]:
+    """The headers of every SSE answer, sent before its first event."""
+    return {
+        "x-compute-type": compute_type,
+        "x-compute-characters": str(num_characters),
+        "X-Accel-Buffering": "no",
+        "Cache-Control": "no-cache",
+    }
+
+
 def sse(payload: dict[str, Any]) -> str:
     """One SSE event: a single `data: <json>` line and a blank line (compact UTF-8 JSON, as
     TGI's; orjson: a tenth of json.dumps' CPU per streamed token)."""

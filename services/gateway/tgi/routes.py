@@ -25,11 +25,13 @@ from services.gateway.pipeline.fanout import collect, gather_or_fail
 from services.gateway.pipeline.results import Finished, KeepAlive, Prepared, Token
 from services.gateway.state import GatewayState
 from services.gateway.tgi.formatting import (
+    KEEPALIVE,
     mean_logprob,
     sequence_details,
     sse,
     stream_details,
     stream_event,
+    stream_headers,
     timing_headers,
 )
 from services.gateway.tgi.schemas import CompatBody, GenerateBody
@@ -58,6 +60,11 @@ def unauthorized(state: GatewayState, request: Request) -> Response | None:
     return GatewayError(401, "Unauthorized: missing or wrong API key", "unauthorized").response(
         headers={"WWW-Authenticate": "Bearer"}
     )
+
+
+def shows_full_text(params: ValidatedParameters, route_default: bool) -> bool:
+    """return_full_text as asked, else the route's default."""
+    return route_default if params.return_full_text is None else params.return_full_text
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
@@ -105,10 +112,8 @@ async def run_generate(
     if results is None:  # the client went away; nobody reads this
         return Response(status_code=499)
     validated = admitted.generations[0].params
-    full_text = validated.return_full_text
-    answer, finished = generate_answer(
-        results, body.inputs, validated, default_full_text if full_text is None else full_text
-    )
+    full_text = shows_full_text(validated, default_full_text)
+    answer, finished = generate_answer(results, body.inputs, validated, full_text)
     headers = timing_headers(finished, state.compute_type, len(body.inputs))
     return JSONResponse([answer] if as_list else answer, headers=headers)
 
@@ -150,9 +155,8 @@ async def sse_events(
         admitted = await admit(state, [body.inputs], [params], arrived_at)
         try:
             (prepared,) = admitted.generations
-            full_text = prepared.params.return_full_text
-            default = default_full_text if full_text is None else full_text
-            async for chunk in token_events(state, prepared, default):
+            full_text = shows_full_text(prepared.params, default_full_text)
+            async for chunk in token_events(state, prepared, full_text):
                 yield chunk
         finally:
             admitted.held.release()
@@ -168,7 +172,7 @@ async def token_events(state: GatewayState, prepared: Prepared, full_text: bool)
     last: Token | None = None
     async for item in state.generations().stream(prepared, keepalive_s=KEEPALIVE_S):
         if isinstance(item, KeepAlive):
-            yield ":\n\n"
+            yield KEEPALIVE
         elif isinstance(item, Token):
             last = item
             yield sse(stream_event(item, params.top_n_tokens, None, None))
@@ -184,16 +188,10 @@ async def token_events(state: GatewayState, prepared: Prepared, full_text: bool)
 def stream_response(
     state: GatewayState, body: GenerateBody, arrived_at: float, default_full_text: bool
 ) -> StreamingResponse:
-    headers = {
-        "x-compute-type": state.compute_type,
-        "x-compute-characters": str(len(body.inputs)),
-        "X-Accel-Buffering": "no",
-        "Cache-Control": "no-cache",
-    }
     return StreamingResponse(
         sse_events(state, body, arrived_at, default_full_text),
         media_type="text/event-stream",
-        headers=headers,
+        headers=stream_headers(state.compute_type, len(body.inputs)),
     )
 
 
