@@ -43,6 +43,22 @@ class Message(msgspec.Struct, omit_defaults=True, kw_only=True):
     v: int = SCHEMA_VERSION  # schema version of the sender
 
 
+class ConstraintKind(enum.StrEnum):
+    JSON_SCHEMA = "json_schema"  # spec: a JSON Schema, as JSON text
+    REGEX = "regex"  # spec: a regular expression the whole output matches
+    CHOICE = "choice"  # spec: a JSON list of strings; the output is exactly one of them
+    GRAMMAR = "grammar"  # spec: a context-free grammar in Lark syntax (or GBNF, converted)
+
+
+class Constraint(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
+    """What the output must match: every dialect (TGI's grammar, OpenAI's response_format,
+    vLLM's structured_outputs and guided_*, tools) becomes one of these at the gateway."""
+
+    kind: ConstraintKind  # how to read `spec`
+    spec: str  # the schema, regex, choices or grammar, as text
+    key: str  # sha256 of (kind, spec): the worker's compile-cache key
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How the worker turns logits into the next token. Defaults mean "off" (greedy)."""
 
@@ -59,6 +75,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     top_n_tokens: int = 0  # also return this many most likely alternatives per token
     watermark: bool = False  # bias toward a green list seeded by the previous token (Kirchenbauer)
     prefill_logprobs: bool = False  # also return the logprob of every prompt token
+    constraint: Constraint | None = None  # the output must match it (tokens outside are masked)
 
     @property
     def is_plain_greedy(self) -> bool:
@@ -71,6 +88,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
             or self.logit_bias
+            or self.constraint is not None
         )
 
 
@@ -145,6 +163,8 @@ class RequestOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
     request_id: str  # id of the request
     token_ids: list[int] = []  # tokens sampled this step; empty while the prompt is still chunked
     finish_reason: FinishReason | None = None  # set when this step ended the request
+    error: str = ""  # non-empty: this request failed alone (its grammar did not compile); it ends
+    awaits_grammar: bool = False  # no token: its grammar is compiling; its last token is recomputed
 
 
 class StepResult(Message):

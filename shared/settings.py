@@ -67,6 +67,15 @@ class Settings(BaseSettings):
     port: int = 3000
     gateway_id: str | None = Field(None, description="reply channel suffix; random when unset")
     api_key: str | None = None
+    disable_grammar_support: bool = Field(
+        False, description="refuse grammars, response_format schemas and forced tools (TGI's)"
+    )
+    tool_call_parser: str = Field(
+        "auto",
+        description="how `tool_choice: auto` reads calls in the model's text: hermes "
+        "(<tool_call>JSON</tool_call>), llama3_json, mistral ([TOOL_CALLS]), or auto (from the "
+        "chat template)",
+    )
 
     # --- scheduler --------------------------------------------------------------------------
     group: str = Field("0", description="worker group driven by this scheduler/worker")
@@ -102,6 +111,9 @@ class Settings(BaseSettings):
         None, description="quantize while loading (bitsandbytes*) or load a gptq/awq checkpoint"
     )
     trust_remote_code: bool = False
+    grammar_compile_timeout: float = Field(
+        10.0, description="seconds a request's grammar may take to build before it fails"
+    )
     speculate: int = Field(
         0, description="tokens proposed per step by n-gram prompt lookup (greedy requests)"
     )

@@ -101,6 +101,13 @@ class Scheduler:
             request = self.requests.get(output.request_id)
             if request is None:
                 continue  # aborted (or finished in an earlier step) while the step ran
+            if output.error:  # the worker failed it alone and told its gateway
+                self._end(request, RequestStatus.FAILED, is_on_worker_done=True)
+                continue
+            if output.awaits_grammar and request.status == RequestStatus.RUNNING:
+                # its grammar is compiling: the worker computes its last token again later
+                request.num_computed_tokens -= 1
+                continue
             request.token_ids.extend(output.token_ids)
             if request.status == RequestStatus.RUNNING and len(output.token_ids) > 1:
                 # speculation: every token but the last was computed in that forward pass

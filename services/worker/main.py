@@ -123,6 +123,7 @@ def follow_rank_0(settings: Settings, rank: int) -> None:
             block_size=settings.block_size,
             num_blocks=num_blocks,
             speculate=settings.speculate,
+            grammar_compile_timeout=None,  # as rank 0: no grammars in a tensor-parallel group
         )
     )
 

@@ -86,3 +86,29 @@ class WorkerMetrics:
         )
         self.requests = Gauge("textgen_worker_requests", "requests held", registry=r)
         self.kv_blocks = Gauge("textgen_worker_kv_blocks", "KV-cache blocks allocated", registry=r)
+        # constrained decoding (services/worker/grammar.py)
+        self.grammar_compile_seconds = Histogram(
+            "textgen_worker_grammar_compile_seconds",
+            "a new constraint's grammar built for this tokenizer (off the step loop)",
+            buckets=[0.0001 * 2**i for i in range(18)],
+            registry=r,
+        )
+        self.grammar_compiles = Counter(
+            "textgen_worker_grammar_compiles",
+            "constraints attached to requests, by outcome: cache_hit, cache_miss (compiled), "
+            "error (did not compile), timeout (outlasted --grammar-compile-timeout)",
+            ["outcome"],
+            registry=r,
+        )
+        self.grammar_mask_seconds = Histogram(
+            "textgen_worker_grammar_mask_seconds",
+            "one step's next-token bitmask filled for its constrained requests (beside the "
+            "forward pass)",
+            buckets=GAP_BUCKETS,
+            registry=r,
+        )
+        self.grammar_waits = Counter(
+            "textgen_worker_grammar_waits",
+            "steps in which a request sampled nothing because its grammar was still compiling",
+            registry=r,
+        )

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.backends import ForwardBackend, PackedBatch
+from services.worker.grammar import GrammarEngine, RequestGrammar
 from services.worker.kernels import CpuKernels
 from services.worker.kv_cache import PagedKVCache
 from services.worker.sampling import Sampled, needs_own_row, sample_greedy_batch, sample_one
 from services.worker.speculation import accepted, propose
 from services.worker.state import RequestState, stop_reason
-from shared.messages import RequestOutput, StepPlan, StepResult, TokenEvent
+from shared.messages import FinishReason, RequestOutput, StepPlan, StepResult, TokenEvent
 from shared.telemetry import record_span
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class ModelRunner:
         device: torch.device,
         num_speculative_tokens: int = 0,
         kernels: CpuKernels | None = None,
+        grammar: GrammarEngine | None = None,
     ) -> None:
         self.backend = backend  # runs the forward pass
         self.attention = backend.name  # "cpu-kernels", "flash-attn" or "sdpa": /info, metrics
@@ -58,6 +60,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.device = device
         self.requests: dict[str, RequestState] = {}
+        self.grammar = grammar  # constrained decoding; None: requests with a constraint fail
 
     def execute(self, plan: StepPlan) -> StepOutcome:
         started = time.perf_counter()
@@ -67,11 +70,14 @@ class ModelRunner:
             return StepOutcome(StepResult(step_id=plan.step_id), {})
         try:
             batch = self._pack(scheduled)
+            grammars = [state.grammar for state in batch.sampling]
+            masks = self.grammar.begin_masks(grammars) if self.grammar else None
             forward_started = time.perf_counter()
             logits = self._forward(batch)
             forward_s = time.perf_counter() - forward_started
             sample_started = time.perf_counter()
-            samples = self._sample(batch, logits)
+            allowed = self.grammar.finish_masks(masks, logits.device) if masks else {}
+            samples = self._sample(batch, logits, allowed)
             sample_s = time.perf_counter() - sample_started
         except Exception as exc:  # the whole step fails; every request in it ends
             log.exception("step %d failed", plan.step_id)
@@ -92,6 +98,8 @@ class ModelRunner:
         scheduled = []
         for new in plan.new_requests:
             state = RequestState.from_new(new)
+            if new.sampling.constraint is not None:
+                state.grammar = self._attach(new.sampling.constraint, new.generated_ids)
             self.requests[state.request_id] = state
             scheduled.append(state)
         for running in plan.running:
@@ -103,6 +111,11 @@ class ModelRunner:
             held.num_scheduled_tokens = running.num_scheduled_tokens
             scheduled.append(held)
         return scheduled
+
+    def _attach(self, constraint, generated_ids: list[int]) -> RequestGrammar:
+        if self.grammar is not None:
+            return self.grammar.attach(constraint, generated_ids)
+        return RequestGrammar.failed(constraint, "this worker has no tokenizer to build grammars")
 
     def _pack(self, scheduled: list[RequestState]) -> PackedBatch:
         input_ids: list[int] = []
@@ -195,10 +208,16 @@ class ModelRunner:
         for owner, logprob in zip(batch.prompt_owners, logprobs, strict=True):
             owner.prompt_logprobs.append(logprob)
 
-    def _sample(self, batch: PackedBatch, logits: torch.Tensor) -> list[list[Sampled]]:
-        """Per sampling request: its token, then the greedy token after each of its drafts."""
+    def _sample(
+        self, batch: PackedBatch, logits: torch.Tensor, allowed: dict[int, torch.Tensor]
+    ) -> list[list[Sampled]]:
+        """Per sampling request: its token, then the greedy token after each of its drafts
+        (none for a request whose grammar is not ready: it samples nothing this step)."""
         sampling = batch.sampling
-        candidates = [[sample] for sample in self._sample_rows(sampling, logits)]
+        candidates = [
+            [sample] if sample is not None else []
+            for sample in self._sample_rows(sampling, logits, allowed)
+        ]
         if batch.draft_rows:
             draft_logits = logits[len(sampling) :]
             verified = sample_greedy_batch(
@@ -211,7 +230,9 @@ class ModelRunner:
                 candidates[index[id(owner)]].append(sample)
         return candidates
 
-    def _sample_rows(self, sampling: list[RequestState], logits: torch.Tensor) -> list[Sampled]:
+    def _sample_rows(
+        self, sampling: list[RequestState], logits: torch.Tensor, allowed: dict[int, torch.Tensor]
+    ) -> list[Sampled | None]:
         samples: list[Sampled | None] = [None] * len(sampling)
         greedy_rows = [i for i, s in enumerate(sampling) if not needs_own_row(s.sampling)]
         if greedy_rows:
@@ -223,11 +244,15 @@ class ModelRunner:
             for row, sample in zip(greedy_rows, batch):
                 samples[row] = sample
         for i, state in enumerate(sampling):
-            if samples[i] is None:
+            if samples[i] is None and (state.grammar is None or i in allowed):
                 samples[i] = sample_one(
-                    logits[i], state.sampling, state.token_ids, state.num_generated + 1
+                    logits[i],
+                    state.sampling,
+                    state.token_ids,
+                    state.num_generated + 1,
+                    allowed.get(i),
                 )
-        return samples  # type: ignore[return-value]
+        return samples
 
     def _advance(
         self, step_id: int, scheduled: list[RequestState], samples: list[list[Sampled]]
@@ -246,6 +271,9 @@ class ModelRunner:
                 outputs.append(RequestOutput(request_id=state.request_id))
                 continue
             candidates = next(sampling_iter)
+            if not candidates:  # its grammar is not ready, or never will be
+                outputs.append(self._unsampled(state, events))
+                continue
             emitted = accepted(state.draft_ids, [c.token_id for c in candidates])
             # the accepted drafts' keys and values were computed from the right tokens
             state.num_computed_tokens += state.num_scheduled_tokens + len(emitted) - 1
@@ -257,6 +285,11 @@ class ModelRunner:
                 state.token_ids.append(sample.token_id)
                 taken.append(sample)
                 reason = stop_reason(state, sample.token_id, self.eos_token_ids, self.max_model_len)
+                if state.grammar is not None and reason != FinishReason.EOS_TOKEN:
+                    error = GrammarEngine.accept(state.grammar, sample.token_id)
+                    if error:  # never expected: the token was drawn from the allowed ones
+                        log.error("request %s: %s", state.request_id, error)
+                        reason = FinishReason.EOS_TOKEN
                 if reason is not None:
                     break
             token_ids = [sample.token_id for sample in taken]
@@ -295,6 +328,21 @@ class ModelRunner:
                 )
         result = StepResult(step_id=step_id, outputs=outputs, num_accepted_tokens=num_accepted)
         return StepOutcome(result, dict(events))
+
+    def _unsampled(self, state: RequestState, events: dict[str, list[TokenEvent]]) -> RequestOutput:
+        """A sampling request that took no token: its grammar is compiling (its last token is
+        computed again next step), or failed to compile (it ends here, alone)."""
+        grammar = state.grammar
+        assert grammar is not None
+        if not grammar.error:
+            state.num_computed_tokens += state.num_scheduled_tokens - 1
+            return RequestOutput(request_id=state.request_id, awaits_grammar=True)
+        log.warning("request %s failed: %s", state.request_id, grammar.error)
+        del self.requests[state.request_id]
+        events[state.reply_to].append(
+            TokenEvent(request_id=state.request_id, error=grammar.error, error_type="validation")
+        )
+        return RequestOutput(request_id=state.request_id, error=grammar.error)
 
     def _fail(self, step_id: int, scheduled: list[RequestState], error: str) -> StepOutcome:
         events: dict[str, list[TokenEvent]] = defaultdict(list)

@@ -18,8 +18,10 @@ from services.worker import flash_attention
 from services.worker.backends import FastDecoderPass, ForwardBackend, PagedFlash, PagedSdpa
 from services.worker.fake import Simulated, vocab_size_of
 from services.worker.fallback import EncoderDecoder, OwnCache
+from services.worker.grammar import GrammarEngine
 from services.worker.kv_cache import PagedKVCache, default_budget, plan_num_blocks
 from services.worker.loader import FALLBACK, SEQ2SEQ, LoadedModel
+from services.worker.metrics import WorkerMetrics
 from services.worker.runner import ModelRunner
 from shared.messages import WorkerReady
 
@@ -51,10 +53,14 @@ def build_runner(
     max_batch_total_tokens: int | None = None,
     speculate: int = 0,
     fake_step_ms: float | None = None,
+    grammar_compile_timeout: float | None = 10.0,
+    metrics: WorkerMetrics | None = None,
 ) -> ModelRunner:
     """The runner of `loaded` with its KV cache: `num_blocks` blocks when given (a
     tensor-parallel rank takes rank 0's), else as many as `kv_cache_memory` bytes (default: a
-    share of free memory) hold, never more than a full batch of full contexts would use."""
+    share of free memory) hold, never more than a full batch of full contexts would use.
+    `grammar_compile_timeout` None: no constrained decoding (a request with a constraint fails
+    with the reason), as on the ranks of a tensor-parallel group."""
     backend = pick_backend(loaded, fake_step_ms)
     block_size = backend.block_size(block_size, loaded.device, loaded.cache_shape)
     if num_blocks is None:
@@ -82,6 +88,15 @@ def build_runner(
         loaded.device,
         num_speculative_tokens=speculate,
         kernels=loaded.kernels,
+        grammar=None
+        if grammar_compile_timeout is None
+        else GrammarEngine(
+            loaded.folder,
+            vocab_size_of(loaded.folder),
+            loaded.eos_token_ids,
+            grammar_compile_timeout,
+            metrics,
+        ),
     )
 
 

@@ -94,12 +94,20 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample_one(
-    logits: torch.Tensor, params: SamplingParams, token_ids: list[int], token_index: int
+    logits: torch.Tensor,
+    params: SamplingParams,
+    token_ids: list[int],
+    token_index: int,
+    allowed: torch.Tensor | None = None,
 ) -> Sampled:
-    """The next token of one request from its logits row. [vocab] float32"""
+    """The next token of one request from its logits row. [vocab] float32. `allowed`: the
+    tokens its grammar permits (bool [vocab]), masked after the penalties and before the
+    warpers, as TGI does; logprobs are then those of the masked distribution."""
     logits = apply_penalties(logits.float(), params, token_ids)
     if params.watermark:
         logits = apply_watermark(logits, token_ids)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     if params.do_sample:
         logits = warp(logits, params)
     log_probs = logits.log_softmax(-1)

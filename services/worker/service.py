@@ -64,6 +64,11 @@ class WorkerService:
             max_batch_total_tokens=settings.max_batch_total_tokens,
             speculate=settings.speculate,
             fake_step_ms=settings.fake_step_ms,
+            # the ranks of a group sample alike only if they mask alike: not yet with grammars
+            grammar_compile_timeout=(
+                settings.grammar_compile_timeout if settings.num_shard == 1 else None
+            ),
+            metrics=self.metrics,
         )
         self.metrics.kv_blocks.set(self.runner.kv_cache.num_blocks)
         kernels = self.runner.kernels if self.runner.attention == FAST_DECODER else None
@@ -241,6 +246,7 @@ class WorkerService:
         self.metrics.generated_tokens.inc(sum(len(o.token_ids) for o in result.outputs))
         self.metrics.draft_tokens.inc(result.num_draft_tokens)
         self.metrics.accepted_tokens.inc(result.num_accepted_tokens)
+        self.metrics.grammar_waits.inc(sum(o.awaits_grammar for o in result.outputs))
         self.metrics.requests.set(len(self.runner.requests))
         if result.error:
             self.metrics.step_failures.inc()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.worker.grammar import RequestGrammar
 from shared.messages import FinishReason, NewRequest, SamplingParams, StoppingParams
 
 
@@ -28,6 +29,7 @@ class RequestState:
     first_step_at: float = 0.0  # unix s of its first step on this worker (for its span)
     num_steps: int = 0  # steps it took part in on this worker
     draft_ids: list[int] = field(default_factory=list)  # speculative proposals of this step
+    grammar: RequestGrammar | None = None  # its constraint's matcher (services/worker/grammar.py)
 
     @classmethod
     def from_new(cls, new: NewRequest) -> RequestState:
@@ -74,6 +76,6 @@ def stop_reason(
         return FinishReason.LENGTH
     if token_id in state.stopping.stop_token_ids:
         return FinishReason.EOS_TOKEN
-    if not state.stopping.ignore_eos and token_id in eos_token_ids:
-        return FinishReason.EOS_TOKEN
+    if token_id in eos_token_ids and (not state.stopping.ignore_eos or state.grammar is not None):
+        return FinishReason.EOS_TOKEN  # a grammar allows EOS only where the output is complete
     return None

@@ -1,0 +1,229 @@
+"""Constrained decoding in the worker: grammars compiled off the step loop, one matcher per
+request, the next-token bitmask filled while the forward pass runs.
+
+A request arrives with a `Constraint` (the gateway checked it). `attach` starts its compile on
+a small thread pool, or finds it in the cache (keyed by the constraint's hash: a compiled
+matcher in its start state, copied per request). Each step, for the requests that sample:
+
+- `begin_masks` (before the forward) takes each ready request's matcher and fills its row of
+  the step's int32 bitmask on another thread (llguidance releases the GIL);
+- `finish_masks` (after the forward) waits for that, settles the requests whose compile ended
+  during the forward, and returns the allowed-token rows as booleans;
+- the sampler masks those rows after the penalties, before temperature and the warpers
+  (TGI's order), and the runner advances the matcher with the token it took (`accept`).
+
+A request whose compile has not ended samples nothing in that step: the scheduler recomputes
+its last token next step (the others never wait for it). A compile that fails or outlasts
+`compile_timeout_s` ends that request alone, with the reason. After preemption or failover
+a request arrives with its generated tokens; its matcher is rebuilt by consuming them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
+
+from shared.grammar import GrammarError, grammar_text
+from shared.messages import Constraint
+
+log = logging.getLogger(__name__)
+
+CACHE_SIZE = 256  # compiled grammars kept (start-state matchers; small)
+
+
+@dataclass
+class RequestGrammar:
+    """One request's constraint on this worker."""
+
+    constraint: Constraint
+    compiled: Future[LLMatcher]  # the grammar's start-state matcher (shared; copied here)
+    attached_at: float  # monotonic s when the request arrived with it
+    replay: list[int] = field(default_factory=list)  # tokens generated before (resumed)
+    matcher: LLMatcher | None = None  # this request's, once compiled and caught up
+    error: str = ""  # why it cannot go on (compile failure, timeout)
+
+    @classmethod
+    def failed(cls, constraint: Constraint, error: str) -> RequestGrammar:
+        never: Future[LLMatcher] = Future()
+        return cls(constraint, never, time.monotonic(), error=error)
+
+
+@dataclass
+class StepMasks:
+    """The bitmask of one step: rows of the sampling requests that have a grammar."""
+
+    bitmask: np.ndarray  # int32 [num_sampling, ceil(vocab / 32)]; bit set = token allowed
+    owners: list[tuple[int, RequestGrammar]] = field(default_factory=list)  # (row, grammar)
+    late: list[tuple[int, RequestGrammar]] = field(default_factory=list)  # compiling at the start
+    filling: Future[None] | None = None  # the fill running beside the forward pass
+
+
+class GrammarEngine:
+    """Compiles constraints (cache, pool, timeout) and keeps the requests' matchers."""
+
+    def __init__(
+        self,
+        tokenizer_folder: Path,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        compile_timeout_s: float = 10.0,
+        metrics: Any = None,
+    ) -> None:
+        self.vocab_size = vocab_size  # logits columns (the model's, padding included)
+        self.compile_timeout_s = compile_timeout_s
+        self.metrics = metrics  # WorkerMetrics or None
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+        self.executor = LLExecutor(num_threads=2)
+        self.cache: OrderedDict[str, Future[LLMatcher]] = OrderedDict()
+        self.lock = threading.Lock()
+        # the tokenizer's token table takes up to a second for a large vocabulary: built once,
+        # at load, beside the model (the first constrained request does not pay for it)
+        self.tokenizer: Future[LLTokenizer] = self.pool.submit(
+            self._load_tokenizer, tokenizer_folder, eos_token_ids
+        )
+
+    def _load_tokenizer(self, folder: Path, eos_token_ids: list[int]) -> LLTokenizer:
+        import llguidance.hf
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        return llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=self.vocab_size, eos_token=list(eos_token_ids)
+        )
+
+    # --- compile -------------------------------------------------------------------------
+
+    def attach(self, constraint: Constraint, generated_ids: list[int]) -> RequestGrammar:
+        """The request's grammar: compiled (or compiling) once per constraint key."""
+        with self.lock:
+            compiled = self.cache.get(constraint.key)
+            if compiled is not None:
+                self.cache.move_to_end(constraint.key)
+                self._count("cache_hit")
+            else:
+                self._count("cache_miss")
+                compiled = self.pool.submit(self._compile, constraint)
+                self.cache[constraint.key] = compiled
+                while len(self.cache) > CACHE_SIZE:
+                    self.cache.popitem(last=False)
+        return RequestGrammar(constraint, compiled, time.monotonic(), list(generated_ids))
+
+    def _compile(self, constraint: Constraint) -> LLMatcher:
+        started = time.perf_counter()
+        try:
+            text = grammar_text(constraint)
+        except GrammarError:
+            self._forget(constraint.key)
+            raise
+        matcher = LLMatcher(self.tokenizer.result(), text, log_level=0)
+        seconds = time.perf_counter() - started
+        if matcher.is_error():
+            self._forget(constraint.key)
+            raise GrammarError(matcher.get_error())
+        if self.metrics is not None:
+            self.metrics.grammar_compile_seconds.observe(seconds)
+        log.debug(
+            "compiled %s grammar %s in %.1f ms", constraint.kind, constraint.key[:12], seconds * 1e3
+        )
+        return matcher
+
+    def _forget(self, key: str) -> None:
+        """A failed compile is not cached: the next request with it gets the error anew."""
+        with self.lock:
+            self.cache.pop(key, None)
+
+    def settle(self, grammar: RequestGrammar) -> bool:
+        """True when the request's matcher is ready; sets `error` when it never will be."""
+        if grammar.matcher is not None or grammar.error:
+            return grammar.matcher is not None
+        if not grammar.compiled.done():
+            waited = time.monotonic() - grammar.attached_at
+            if waited > self.compile_timeout_s:
+                grammar.error = (
+                    f"the grammar did not compile within {self.compile_timeout_s:g} s "
+                    "(--grammar-compile-timeout)"
+                )
+                self._count("timeout")
+            return False
+        try:
+            matcher = grammar.compiled.result().deep_copy()
+        except Exception as exc:  # a compile error ends this request only
+            grammar.error = f"the grammar could not be built: {exc}"
+            self._count("error")
+            return False
+        if grammar.replay and not matcher.consume_tokens(grammar.replay):  # resumed: catch up
+            grammar.error = f"the tokens generated before break the grammar: {matcher.get_error()}"
+            return False
+        grammar.matcher = matcher
+        return True
+
+    # --- per step ------------------------------------------------------------------------
+
+    def begin_masks(self, grammars: list[RequestGrammar | None]) -> StepMasks | None:
+        """Start filling the rows of the ready grammars (one row per sampling request, in
+        order); None when no sampling request has a grammar."""
+        if not any(grammars):
+            return None
+        masks = StepMasks(np.full((len(grammars), (self.vocab_size + 31) // 32), -1, np.int32))
+        for row, grammar in enumerate(grammars):
+            if grammar is None:
+                continue
+            if self.settle(grammar):
+                masks.owners.append((row, grammar))
+            elif not grammar.error:
+                masks.late.append((row, grammar))
+        if masks.owners:
+            masks.filling = self.pool.submit(self._fill, masks.bitmask, masks.owners)
+        return masks
+
+    def _fill(self, bitmask: np.ndarray, owners: list[tuple[int, RequestGrammar]]) -> None:
+        started = time.perf_counter()
+        rows = [(grammar.matcher, row) for row, grammar in owners]
+        self.executor.unsafe_compute_mask_ptr(
+            rows, bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0]
+        )
+        if self.metrics is not None:
+            self.metrics.grammar_mask_seconds.observe(time.perf_counter() - started)
+
+    def finish_masks(self, masks: StepMasks, device: torch.device) -> dict[int, torch.Tensor]:
+        """Row -> allowed tokens (bool [vocab]) for every grammar that samples this step."""
+        late = [(row, grammar) for row, grammar in masks.late if self.settle(grammar)]
+        if masks.filling is not None:
+            masks.filling.result()
+        if late:  # compiled during the forward pass
+            self._fill(masks.bitmask, late)
+            masks.owners += late
+        if not masks.owners:
+            return {}
+        rows = [row for row, _ in masks.owners]
+        allowed = unpack(masks.bitmask[rows], self.vocab_size)
+        tensor = torch.from_numpy(allowed).to(device)
+        return {row: tensor[i] for i, row in enumerate(rows)}
+
+    @staticmethod
+    def accept(grammar: RequestGrammar, token_id: int) -> str:
+        """Advance the request's matcher; "" or why the token broke the grammar."""
+        assert grammar.matcher is not None
+        if grammar.matcher.consume_token(token_id):
+            return ""
+        return f"the sampled token {token_id} breaks the grammar: {grammar.matcher.get_error()}"
+
+    def _count(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.grammar_compiles.labels(outcome).inc()
+
+
+def unpack(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """int32 bitmask rows -> bool rows [rows, vocab_size] (bit i of word w is token 32w + i)."""
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
+    return bits[:, :vocab_size].astype(bool)
