@@ -29,6 +29,8 @@ class GatewayMetrics:
         self.num_success = 0
         self.num_failures: Counter[str] = Counter()
         self.num_unauthorized = 0  # requests refused for a missing or wrong --api-key
+        self.num_constrained: Counter[str] = Counter()  # constrained requests by kind
+        self.num_tool_calls: Counter[str] = Counter()  # tool calls answered by tool_choice mode
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(name, doc, buckets=buckets, registry=self.registry)
@@ -119,5 +121,17 @@ class GatewayMetrics:
             "# HELP textgen_unauthorized_requests requests refused for a missing or wrong key",
             "# TYPE textgen_unauthorized_requests counter",
             f"textgen_unauthorized_requests {self.num_unauthorized}",
+            "# HELP textgen_constrained_requests requests admitted with a constraint, by kind",
+            "# TYPE textgen_constrained_requests counter",
         ]
+        for kind in sorted(self.num_constrained):
+            lines.append(
+                f'textgen_constrained_requests{{kind="{kind}"}} {self.num_constrained[kind]}'
+            )
+        lines += [
+            "# HELP textgen_tool_calls tool calls answered, by tool_choice mode",
+            "# TYPE textgen_tool_calls counter",
+        ]
+        for mode in sorted(self.num_tool_calls):
+            lines.append(f'textgen_tool_calls{{mode="{mode}"}} {self.num_tool_calls[mode]}')
         return ("\n".join(lines) + "\n").encode() + generate_latest(self.registry)

@@ -93,13 +93,9 @@ class GrammarEngine:
         )
 
     def _load_tokenizer(self, folder: Path, eos_token_ids: list[int]) -> LLTokenizer:
-        import llguidance.hf
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        return llguidance.hf.from_tokenizer(
-            tokenizer, n_vocab=self.vocab_size, eos_token=list(eos_token_ids)
-        )
+        """From the model's tokenizer.json (the fast tokenizer's file, added tokens included)."""
+        text = (folder / "tokenizer.json").read_text()
+        return LLTokenizer(text, n_vocab=self.vocab_size, eos_token=list(eos_token_ids))
 
     # --- compile -------------------------------------------------------------------------
 
@@ -188,7 +184,7 @@ class GrammarEngine:
 
     def _fill(self, bitmask: np.ndarray, owners: list[tuple[int, RequestGrammar]]) -> None:
         started = time.perf_counter()
-        rows = [(grammar.matcher, row) for row, grammar in owners]
+        rows = [(grammar.matcher, row) for row, grammar in owners if grammar.matcher is not None]
         self.executor.unsafe_compute_mask_ptr(
             rows, bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0]
         )

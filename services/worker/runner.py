@@ -76,7 +76,9 @@ class ModelRunner:
             logits = self._forward(batch)
             forward_s = time.perf_counter() - forward_started
             sample_started = time.perf_counter()
-            allowed = self.grammar.finish_masks(masks, logits.device) if masks else {}
+            allowed = (
+                self.grammar.finish_masks(masks, logits.device) if self.grammar and masks else {}
+            )
             samples = self._sample(batch, logits, allowed)
             sample_s = time.perf_counter() - sample_started
         except Exception as exc:  # the whole step fails; every request in it ends

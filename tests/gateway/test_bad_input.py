@@ -112,7 +112,9 @@ async def test_size_and_content_type(http):
         {"top_n_tokens": 2**32 - 1},
         {"best_of": 2**64 - 1, "do_sample": True},
         {"stop": ["s"] * 100},
-        {"grammar": {"type": "json", "value": {"no": "properties"}}},
+        {"grammar": {"type": "json", "value": {"type": "nonsense"}}},
+        {"grammar": {"type": "regex", "value": "(unclosed"}},
+        {"grammar": {"type": "json", "value": "{not json"}},
         {"grammar": {"type": "nonsense", "value": 5}},
     ],
 )

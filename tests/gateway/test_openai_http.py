@@ -220,21 +220,19 @@ async def test_chat_errors(http, peer):
     )
     assert error["param"] == "top_p" and "`top_p` must be > 0.0 and < 1.0" in error["message"]
     tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
-    error = error_of(
-        await http.post(
-            "/v1/chat/completions", json={"messages": MESSAGES, "tools": [tool], "stream": True}
-        ),
-        400,
-    )
+    body = {"messages": MESSAGES, "tools": [tool], "response_format": {"type": "json_object"}}
+    error = error_of(await http.post("/v1/chat/completions", json={**body, "stream": True}), 400)
     assert error["code"] == "tool_error"
+    assert error["message"] == "Tool error: Grammar and tools are mutually exclusive"
     error = error_of(
         await http.post(
             "/v1/chat/completions",
-            json={"messages": MESSAGES, "response_format": {"type": "json", "value": {}}},
+            json={"messages": MESSAGES, "response_format": {"type": "json", "value": "{bad"}},
         ),
         400,
     )
-    assert error["message"] == "Input validation error: grammar is not supported"
+    assert error["message"].startswith("Input validation error: grammar is not valid: ")
+    assert error["param"] == "response_format"
     error = error_of(
         await http.post("/v1/chat/completions", json={"messages": [{"role": "user"}]}), 400
     )

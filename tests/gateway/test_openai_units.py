@@ -211,25 +211,9 @@ def test_chat_parameters_keep_tgi_validation():
         validated(chat_parameters(chat_body(logprobs=True, top_logprobs=10)))
     with pytest.raises(ValidationError, match="`frequency_penalty` must be >= -2.0 and <= 2.0"):
         validated(chat_parameters(chat_body(frequency_penalty=3.0)))
-    with pytest.raises(ValidationError) as caught:
-        validated(chat_parameters(chat_body(response_format={"type": "json", "value": {}})))
-    assert caught.value.body() == {
-        "error": "Input validation error: grammar is not supported",
-        "error_type": "validation",
-    }
 
 
 def test_chat_request_rules():
-    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
-    with pytest.raises(GatewayError) as caught:
-        check_chat_request(chat_body(tools=[tool]))
-    assert caught.value.body() == {
-        "error": "Tool error: tools are not supported yet",
-        "error_type": "tool_error",
-    }
-    with pytest.raises(GatewayError, match="Grammar and tools are mutually exclusive"):
-        check_chat_request(chat_body(tools=[tool], response_format={"type": "json", "value": {}}))
-    assert check_chat_request(chat_body(tools=[tool], tool_choice="none")) == Fanout()
     assert check_chat_request(chat_body(n=3)) == Fanout(n=3, best_of=3)
     for n in (0, 129):
         with pytest.raises(ValidationError, match="`n` must be >= 1 and <= 128") as caught:

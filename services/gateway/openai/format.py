@@ -11,10 +11,12 @@ otherwise no chunk has a `usage` key.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from services.gateway.openai.params import openai_finish_reason
+from services.gateway.openai.tool_calls import ToolCall
 from services.gateway.pipeline.results import Finished, Token
 
 DONE = "data: [DONE]\n\n"
@@ -113,12 +115,27 @@ def chat_logprobs(tokens: list[Token]) -> dict[str, Any]:
     return {"content": [chat_token_logprob(token) for token in tokens]}
 
 
-def chat_choice(index: int, tokens: list[Token], finished: Finished, has_logprobs: bool) -> dict:
+def chat_choice(
+    index: int,
+    tokens: list[Token],
+    finished: Finished,
+    has_logprobs: bool,
+    read: Callable[[str], tuple[str, list[ToolCall]]] | None = None,
+) -> dict:
+    """A chat choice; `read` turns the text into (content, tool calls) when the request has
+    tools to call."""
+    content, calls = read(finished.text_before_stop) if read else (finished.text_before_stop, [])
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": content or None if calls else content,
+    }
+    if calls:
+        message["tool_calls"] = [call.as_message() for call in calls]
     return {
         "index": index,
-        "message": {"role": "assistant", "content": finished.text_before_stop},
+        "message": message,
         "logprobs": chat_logprobs(tokens) if has_logprobs else None,
-        "finish_reason": openai_finish_reason(finished.finish_reason),
+        "finish_reason": openai_finish_reason(finished.finish_reason, bool(calls)),
     }
 
 
@@ -128,16 +145,18 @@ def chat_chunk(
     delta: dict[str, Any],
     tokens: list[Token] | None = None,
     finished: Finished | None = None,
+    has_tool_calls: bool = False,
 ) -> dict[str, Any]:
     """One choice's chunk: a delta, the logprobs of its tokens when asked (`tokens` not
     None), the finish reason on the choice's last chunk."""
+    reason = openai_finish_reason(finished.finish_reason, has_tool_calls) if finished else None
     return envelope.chunk(
         "chat.completion.chunk",
         {
             "index": index,
             "delta": delta,
             "logprobs": None if tokens is None else chat_logprobs(tokens),
-            "finish_reason": openai_finish_reason(finished.finish_reason) if finished else None,
+            "finish_reason": reason,
         },
     )
 

@@ -13,19 +13,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.gateway.openai.schemas import ChatBody, CompletionBody, LogitBias
+from services.gateway.openai.schemas import ChatBody, CompletionBody, LogitBias, StructuredOutputs
+from services.gateway.pipeline.constraints import first_of, response_format, structured_outputs
 from services.gateway.pipeline.errors import GatewayError, ValidationError
 from services.gateway.tgi.schemas import GenerateParameters
-from shared.messages import FinishReason
+from shared.messages import Constraint, FinishReason
 
 MAX_N = 128  # OpenAI's largest `n`
 MAX_BEST_OF = 20  # OpenAI's largest `best_of`
 MAX_BIAS = 100.0  # |logit_bias| values OpenAI accepts
 MAX_SEED = 2**64 - 1
-
-
-def tool_error(detail: str) -> GatewayError:
-    return GatewayError(422, f"Tool error: {detail}", "tool_error")
 
 
 @dataclass(frozen=True)
@@ -34,6 +31,7 @@ class OpenAISampling:
 
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias
+    constraint: Constraint | None = None  # response_format, structured_outputs or tools
 
 
 @dataclass(frozen=True)
@@ -114,12 +112,7 @@ def logit_bias_map(value: LogitBias | None, vocab_size: int) -> dict[int, float]
 
 
 def check_chat_request(body: ChatBody) -> Fanout:
-    """Request-time rejections (real errors, also when streaming): tools, n, logprobs."""
-    uses_tools = bool(body.tools) and body.tool_choice != "none"
-    if uses_tools and body.response_format is not None:
-        raise tool_error("Grammar and tools are mutually exclusive")
-    if uses_tools:
-        raise tool_error("tools are not supported yet")
+    """Request-time rejections (real errors, also when streaming): n, logprobs."""
     if body.top_logprobs and not body.logprobs:
         raise ValidationError("`top_logprobs` needs `logprobs` set to true", param="top_logprobs")
     n = check_n(body.n)
@@ -173,7 +166,6 @@ def chat_parameters(body: ChatBody) -> GenerateParameters:
         seed=body.seed,
         stop=stop_list(body.stop),
         top_n_tokens=body.top_logprobs,
-        grammar=body.response_format,  # rejected by validation: grammars are not supported yet
         details=True,
     )
 
@@ -195,14 +187,29 @@ def completion_parameters(body: CompletionBody) -> GenerateParameters:
 
 
 def openai_sampling(
-    presence_penalty: float | None, logit_bias: LogitBias | None, vocab_size: int
+    presence_penalty: float | None,
+    logit_bias: LogitBias | None,
+    vocab_size: int,
+    constraint: Constraint | None = None,
 ) -> OpenAISampling:
     return OpenAISampling(
         presence_penalty=check_presence_penalty(presence_penalty),
         logit_bias=logit_bias_map(logit_bias, vocab_size),
+        constraint=constraint,
     )
 
 
-def openai_finish_reason(reason: FinishReason) -> str:
-    """OpenAI's values: an EOS token and a stop string both end with "stop"."""
-    return "length" if reason == FinishReason.LENGTH else "stop"
+def body_constraint(body: StructuredOutputs) -> Constraint | None:
+    """The constraint of `response_format`, else of vLLM's structured_outputs / guided_*."""
+    return first_of(
+        response_format(body.response_format),
+        structured_outputs(body.structured_outputs, body.guided()),
+    )
+
+
+def openai_finish_reason(reason: FinishReason, has_tool_calls: bool = False) -> str:
+    """OpenAI's values: an EOS token and a stop string both end with "stop"; an answer that
+    is tool calls ends with "tool_calls" (unless cut by the length)."""
+    if reason == FinishReason.LENGTH:
+        return "length"
+    return "tool_calls" if has_tool_calls else "stop"

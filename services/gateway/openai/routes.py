@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -39,6 +40,7 @@ from services.gateway.openai.format import (
 from services.gateway.openai.params import (
     Fanout,
     OpenAISampling,
+    body_constraint,
     chat_parameters,
     check_chat_request,
     check_completion_request,
@@ -47,6 +49,15 @@ from services.gateway.openai.params import (
 )
 from services.gateway.openai.schemas import ChatBody, CompletionBody
 from services.gateway.openai.streams import chat_events, completion_events
+from services.gateway.openai.tool_calls import ToolCallStream, parser_for_template
+from services.gateway.openai.tool_calls import parse as parse_tool_calls
+from services.gateway.openai.tools import (
+    ToolPlan,
+    plan_tools,
+    template_messages,
+    tool_error,
+    with_tool_prompt,
+)
 from services.gateway.pipeline.admission import Admitted, admit
 from services.gateway.pipeline.auth import is_authorized
 from services.gateway.pipeline.body import BodyError, read_json
@@ -175,10 +186,15 @@ def wants_usage_chunk(body: ChatBody | CompletionBody) -> bool:
 # --- chat ------------------------------------------------------------------------------------
 
 
-def render_prompt(state: GatewayState, body: ChatBody) -> str:
+def render_prompt(state: GatewayState, body: ChatBody, plan: ToolPlan) -> str:
+    """The chat template's prompt, tools included: handed to a template that shows them, else
+    appended to the last message with TGI's tool prompt."""
     if state.chat_template is None:
         raise no_template()
-    return state.chat_template.render([message.for_template() for message in body.messages])
+    messages = template_messages(body)
+    if plan.tools and not state.chat_template.shows_tools:
+        return state.chat_template.render(with_tool_prompt(messages, plan.tools, body.tool_prompt))
+    return state.chat_template.render(messages, plan.tools)
 
 
 async def handle_openai(
@@ -210,28 +226,48 @@ async def answer_chat(
     meta = envelope(state, body.model, arrived_at, "chatcmpl", wants_usage_chunk(body))
     with failures_counted(state):
         fanout = check_chat_request(body)
-        prompt = render_prompt(state, body)
-        extra = openai_sampling(body.presence_penalty, body.logit_bias, state.tokenizer.vocab_size)
+        plan = plan_tools(body)
+        constraint = body_constraint(body)
+        if plan.mode != "none" and constraint is not None:
+            raise tool_error("Grammar and tools are mutually exclusive")
+        prompt = render_prompt(state, body, plan)
+        extra = openai_sampling(
+            body.presence_penalty,
+            body.logit_bias,
+            state.tokenizer.vocab_size,
+            plan.constraint or constraint,
+        )
         params = fanout.choice_parameters(chat_parameters(body))
         admitted = await admit_openai(
             state, "chat", meta, fanout, [prompt], params, extra, arrived_at
         )
     generations, held = admitted.generations, admitted.held
     stop, has_logprobs = generations[0].params.stop, bool(body.logprobs)
+    source = state.chat_template.source if state.chat_template else None
+    parser = parser_for_template(source, state.settings.tool_call_parser)
     if body.stream:
         streams = [run(state, p, KEEPALIVE_S) for p in generations]
-        events = chat_events(meta, streams, stop, has_logprobs, KEEPALIVE_S)
-        return EventStream(events, stream_headers(state.compute_type, len(prompt)), held.release)
+        readers = [ToolCallStream(plan, parser) for _ in generations]
+        events = chat_events(meta, streams, stop, has_logprobs, KEEPALIVE_S, readers)
+
+        def on_close() -> None:
+            held.release()
+            state.metrics.num_tool_calls[plan.mode] += sum(r.num_calls for r in readers)
+
+        return EventStream(events, stream_headers(state.compute_type, len(prompt)), on_close)
     try:
         results = await run_all(state, request, generations)
     finally:
         held.release()
     if results is None:  # the client went away; nobody reads this
         return Response(status_code=499)
+    read = functools.partial(parse_tool_calls, plan, parser) if plan.reads_calls else None
     choices = [
-        chat_choice(index, tokens, finished, has_logprobs)
+        chat_choice(index, tokens, finished, has_logprobs, read)
         for index, (tokens, finished) in enumerate(results)
     ]
+    num_calls = sum(len(c["message"].get("tool_calls", [])) for c in choices)
+    state.metrics.num_tool_calls[plan.mode] += num_calls
     ended = [finished for _, finished in results]
     headers = (
         timing_headers(ended[0], state.compute_type, len(prompt))
@@ -258,7 +294,12 @@ async def answer_completions(
     prompts = body.prompts
     with failures_counted(state):
         fanout = check_completion_request(body, state.settings.max_client_batch_size)
-        extra = openai_sampling(body.presence_penalty, body.logit_bias, state.tokenizer.vocab_size)
+        extra = openai_sampling(
+            body.presence_penalty,
+            body.logit_bias,
+            state.tokenizer.vocab_size,
+            body_constraint(body),
+        )
         params = fanout.choice_parameters(completion_parameters(body))
         admitted = await admit_openai(
             state, "completions", meta, fanout, prompts, params, extra, arrived_at

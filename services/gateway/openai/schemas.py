@@ -87,16 +87,38 @@ class StreamOptions(BaseModel):
 LogitBias = dict[str, float] | list[float]
 
 
+class StructuredOutputs(BaseModel):
+    """The constraint fields both OpenAI routes take beyond OpenAI's `response_format`: vLLM's
+    `structured_outputs` object and its legacy top-level `guided_*` fields."""
+
+    model_config = STRICT
+
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+    def guided(self) -> dict[str, Any]:
+        return {
+            "guided_json": self.guided_json,
+            "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice,
+            "guided_grammar": self.guided_grammar,
+            "guided_whitespace_pattern": self.guided_whitespace_pattern,
+        }
+
+
 def _reject_null(value: Any) -> Any:
     if value is None:
         raise ValueError("null is not accepted here")
     return value
 
 
-class ChatBody(BaseModel):
+class ChatBody(StructuredOutputs):
     """Body of POST /v1/chat/completions."""
-
-    model_config = STRICT
 
     model: str | None = None
     messages: list[Message]
@@ -114,19 +136,17 @@ class ChatBody(BaseModel):
     top_logprobs: UInt32 | None = None
     n: UInt32 | None = None
     logit_bias: LogitBias | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    tool_prompt: str | None = None
+    tool_prompt: str | None = None  # TGI's: appended when the template does not show tools
+    parallel_tool_calls: bool | None = None  # False: at most one call
     user: str | None = None
 
     _no_null_stream_options = field_validator("stream_options", mode="before")(_reject_null)
 
 
-class CompletionBody(BaseModel):
+class CompletionBody(StructuredOutputs):
     """Body of POST /v1/completions."""
-
-    model_config = STRICT
 
     model: str | None = None
     prompt: str | Annotated[list[str], Field(min_length=1)]

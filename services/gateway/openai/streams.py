@@ -23,6 +23,7 @@ from services.gateway.openai.format import (
     summed_usage,
     visible_text,
 )
+from services.gateway.openai.tool_calls import ToolCallStream
 from services.gateway.pipeline.errors import GatewayError
 from services.gateway.pipeline.fanout import Item, merge
 from services.gateway.pipeline.results import Finished, KeepAlive, Token
@@ -67,7 +68,9 @@ async def chat_events(
     stop: list[str],
     has_logprobs: bool,
     keepalive_s: float,
+    readers: list[ToolCallStream],
 ) -> AsyncIterator[str]:
+    """`readers`: per choice, what turns its text into content or tool-call deltas."""
     ended: list[Finished] = []
     try:
         for index in range(len(streams)):
@@ -77,10 +80,25 @@ async def chat_events(
                 yield KEEPALIVE
                 continue
             index, choice, text = update
+            reader = readers[index]
             tokens = choice.tokens if has_logprobs and choice.tokens else None
-            if text or choice.finished or tokens:
-                delta = {"content": text} if text else {}
-                yield sse(chat_chunk(envelope, index, delta, tokens, choice.finished))
+            deltas = reader.push(text)
+            if choice.finished:
+                deltas += reader.finish()
+            if not deltas and (choice.finished or tokens):
+                deltas = [{}]
+            for number, delta in enumerate(deltas):
+                is_last = number == len(deltas) - 1
+                yield sse(
+                    chat_chunk(
+                        envelope,
+                        index,
+                        delta,
+                        tokens if number == 0 else None,
+                        choice.finished if is_last else None,
+                        reader.num_calls > 0,
+                    )
+                )
             if choice.finished:
                 ended.append(choice.finished)
         if envelope.has_usage_chunk:

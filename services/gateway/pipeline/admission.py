@@ -5,7 +5,8 @@ Each dialect first applies its own request rules (TGI's gates, OpenAI's n/best_o
 the chat template); then `admit` runs TGI's order for all of them: the concurrency slots
 (one per generation, all or none: 429 otherwise), each generation's parameters validated, each
 prompt tokenized once with the length rules. What comes out is one `Prepared` per generation,
-prompt by prompt, and the slots they hold until their answer ends.
+prompt by prompt, and the slots they hold until their answer ends. A constraint (grammar,
+response_format, tools) is checked last, after the lengths, as TGI orders it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from services.gateway.pipeline.constraints import check as check_constraint
 from services.gateway.pipeline.errors import ValidationError, overloaded
 from services.gateway.pipeline.results import Prepared
 from services.gateway.pipeline.tokenizer import TokenizerError
@@ -88,10 +90,15 @@ async def admit(
             first = await prepare(
                 state, prompt, validated[0], arrived_at, add_special_tokens, response_id
             )
+            constraint = first.params.sampling.constraint
+            await check_constraint(constraint, not state.settings.disable_grammar_support)
             generations += [first] + [dataclasses.replace(first, params=v) for v in validated[1:]]
     except BaseException:
         held.release()
         raise
+    constraint = generations[0].params.sampling.constraint if generations else None
+    if constraint is not None:
+        state.metrics.num_constrained[constraint.kind.value] += 1
     return Admitted(generations, held)
 
 

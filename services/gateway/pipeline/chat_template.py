@@ -102,8 +102,16 @@ class ChatTemplate:
             eos_token=_token_text(tokenizer_config.get("eos_token")),
         )
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt for `messages` ([{role, content, ...}], content a string); raises
+    @property
+    def shows_tools(self) -> bool:
+        """The template renders a `tools` list itself (else TGI appends them to the prompt)."""
+        return "tools" in self.source
+
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The prompt for `messages` ([{role, content, ...}], content a string) and `tools`
+        (OpenAI's function tools, as transformers hands them to templates); raises
         TemplateError."""
         if self.template is None:
             raise TemplateError(self.compile_error)
@@ -113,7 +121,7 @@ class ChatTemplate:
                 add_generation_prompt=True,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
-                tools=None,
+                tools=tools or None,
             )
         except jinja2.TemplateError as exc:
             raise TemplateError(str(exc)) from exc

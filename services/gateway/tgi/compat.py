@@ -15,6 +15,7 @@ from pydantic import ValidationError as ShapeError
 
 from services.gateway.openai.routes import answer_chat, chat_completions, completions, render_prompt
 from services.gateway.openai.schemas import ChatBody
+from services.gateway.openai.tools import plan_tools
 from services.gateway.pipeline.body import BodyError, read_json
 from services.gateway.pipeline.errors import GatewayError, ValidationError
 from services.gateway.pipeline.tokenizer import TokenizerError
@@ -57,7 +58,7 @@ async def chat_tokenize(request: Request) -> Response:
     if isinstance(body, Response):
         return body
     try:
-        prompt = render_prompt(state, body)
+        prompt = render_prompt(state, body, plan_tools(body))
         spans = state.tokenizer.spans(prompt, add_special_tokens=False)
     except TokenizerError as exc:
         return ValidationError(f"tokenizer error {exc}").response()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from services.gateway.pipeline.constraints import tgi_grammar
 from services.gateway.pipeline.errors import ValidationError
 from services.gateway.tgi.schemas import GenerateParameters
 from shared.messages import SamplingParams
@@ -145,8 +146,7 @@ def validate_parameters(
             f"Given: {params.truncate}",
             param="truncate",
         )
-    if params.grammar is not None:
-        raise ValidationError("grammar is not supported", param="grammar")
+    constraint = tgi_grammar(params.grammar)  # checked once the prompt's length is (admit)
     if params.adapter_id is not None:
         raise ValidationError(
             f"adapter_id {params.adapter_id!r} is not supported: this server loads no adapters",
@@ -165,6 +165,7 @@ def validate_parameters(
             top_n_tokens=top_n_tokens,
             watermark=params.watermark,
             prefill_logprobs=params.decoder_input_details,
+            constraint=constraint,
         ),
         is_sampling=sampling,
         best_of=best_of,
