@@ -54,3 +54,10 @@ def pytest_collection_modifyitems(config, items):
         return
     for item in gpu_items:
         item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+@pytest.fixture(scope="session")
+def tool_caller(tmp_path_factory) -> Path:
+    from tests.support.tiny_models import make_tool_caller
+
+    return make_tool_caller(tmp_path_factory.mktemp("tool-caller"))

@@ -117,8 +117,11 @@ class Engine:
         max_new_tokens: int,
         sampling: SamplingParams | None = None,
         stop_token_ids: list[int] | None = None,
+        generated_ids: list[int] | None = None,
     ) -> str:
-        """Queue one request; its id (its Output: `take(request_id)` once run)."""
+        """Queue one request; its id (its Output: `take(request_id)` once run).
+        `generated_ids`: tokens it generated before (resumed, as after a failover); its Output
+        holds the tokens generated after them."""
         request_id = f"e{next(self._ids)}"
         self.scheduler.add(
             GenerateRequest(
@@ -131,6 +134,7 @@ class Engine:
                 reply_to="",
                 created_at=time.time(),
                 deadline=0.0,
+                generated_ids=generated_ids or [],
             ),
             b"0-0",
         )
