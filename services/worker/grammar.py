@@ -199,9 +199,14 @@ class GrammarEngine:
         if late:  # compiled during the forward pass
             self._fill(masks.bitmask, late)
             masks.owners += late
-        if not masks.owners:
+        for _, grammar in masks.owners:  # a grammar can exhaust its limits as it goes
+            if grammar.matcher is not None and grammar.matcher.is_error():
+                grammar.error = f"the grammar failed: {grammar.matcher.get_error()}"
+                self._count("error")
+        owners = [(row, grammar) for row, grammar in masks.owners if not grammar.error]
+        if not owners:
             return {}
-        rows = [row for row, _ in masks.owners]
+        rows = [row for row, _ in owners]
         allowed = unpack(masks.bitmask[rows], self.vocab_size)
         tensor = torch.from_numpy(allowed).to(device)
         return {row: tensor[i] for i, row in enumerate(rows)}

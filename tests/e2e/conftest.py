@@ -62,3 +62,21 @@ def stories_cluster(redis_url, stories_model):
         yield cluster.start()
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def tool_cluster(redis_url, tool_caller):
+    """One gateway and one worker group serving the rigged tool-calling model."""
+    cluster = Cluster(redis_url, "e2e-tools", tool_caller, args=CLUSTER_ARGS)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def online(monkeypatch):
+    """The suite runs with HF_HUB_OFFLINE=1, which also blocks InferenceClient's HTTP calls."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)

@@ -332,14 +332,6 @@ def test_sdk_surfaces_errors(sdk):
 # --- huggingface_hub.InferenceClient ----------------------------------------------------------
 
 
-@pytest.fixture
-def online(monkeypatch):
-    """The suite runs with HF_HUB_OFFLINE=1, which also blocks InferenceClient's HTTP calls."""
-    from huggingface_hub import constants
-
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-
-
 def test_inference_client_text_generation(url, tiny_llama, online):
     client = InferenceClient(base_url=url)
     prompt = prompt_text(4, 6)

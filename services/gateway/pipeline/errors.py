@@ -49,6 +49,10 @@ def overloaded() -> GatewayError:
 
 
 def generation_failed(detail: str, error_type: str = "") -> GatewayError:
+    """A worker's error for the request; "validation" (its grammar failed on the worker) is
+    the client's, a 422 like every validation error."""
+    if error_type == "validation":
+        return ValidationError(detail)
     return GatewayError(
         424,
         f"Request failed during generation: {detail}",
