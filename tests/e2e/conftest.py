@@ -67,7 +67,8 @@ def stories_cluster(redis_url, stories_model):
 @pytest.fixture(scope="session")
 def tool_cluster(redis_url, tool_caller):
     """One gateway and one worker group serving the rigged tool-calling model."""
-    cluster = Cluster(redis_url, "e2e-tools", tool_caller, args=CLUSTER_ARGS)
+    args = [*CLUSTER_ARGS, "--max-total-tokens", "2048"]  # tools in the prompt: long prompts
+    cluster = Cluster(redis_url, "e2e-tools", tool_caller, args=args)
     try:
         yield cluster.start()
     finally:

@@ -99,7 +99,8 @@ def make_tool_caller(folder: Path) -> Path:
     """A Llama whose greedy answer is fixed by the prompt's last token, with the Hermes template:
     after the assistant turn it writes `<tool_call>{get_weather(city=Paris)}</tool_call>`; an
     assistant message continued after "Sure" goes on with plain text. Every other token is
-    followed by EOS.
+    followed by EOS; where a grammar rules EOS out, closing quotes and brackets are preferred,
+    so constrained greedy output stays short.
 
     Its one layer computes nothing (zero attention and MLP), so the final hidden state is the
     last token's embedding: one-hot embeddings and an lm_head row per successor make the
@@ -148,7 +149,7 @@ def make_tool_caller(folder: Path) -> Path:
         num_hidden_layers=1,
         num_attention_heads=hidden // 64,
         num_key_value_heads=hidden // 64,
-        max_position_embeddings=512,
+        max_position_embeddings=2048,
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
@@ -160,6 +161,10 @@ def make_tool_caller(folder: Path) -> Path:
                 parameter.zero_()
         model.model.embed_tokens.weight.copy_(torch.eye(vocab_size, hidden))
         head = torch.zeros(vocab_size, hidden)
+        # a slight preference for closing quotes, objects and arrays: where a grammar leaves
+        # the choice to the model, its greedy output ends rather than grows
+        for closing in ('"', "}", "]"):
+            head[tokenizer.token_to_id(closing)] = 0.02
         for token in range(vocab_size):
             head[successors.get(token, 2), token] = 1.0  # EOS (2) unless a successor is set
         model.lm_head.weight.copy_(head)
