@@ -80,6 +80,8 @@ def grammar_text(constraint: Constraint) -> str:
             schema = json.loads(spec)
             return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
         if kind == ConstraintKind.REGEX:
+            if (len(spec) - len(spec.rstrip("\\"))) % 2:  # llguidance would drop it silently
+                raise GrammarError("the regex ends with an incomplete escape (a lone backslash)")
             return LLMatcher.grammar_from_regex(spec)
         if kind == ConstraintKind.CHOICE:
             literals = " | ".join(json.dumps(choice) for choice in json.loads(spec))

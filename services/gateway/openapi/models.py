@@ -155,12 +155,36 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str  # chatcmpl-tool-…
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    tool_calls: list[ToolCallOut] | None = None  # present when the answer calls tools
 
 
-OpenAIFinishReason = Literal["stop", "length"]
+class FunctionCallDelta(BaseModel):
+    name: str | None = None  # on a call's first delta
+    arguments: str | None = None  # a piece of the JSON text; pieces concatenate per index
+
+
+class ToolCallDelta(BaseModel):
+    index: int  # which call of the message
+    id: str | None = None  # on a call's first delta
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
+OpenAIFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ChatChoice(BaseModel):
@@ -183,6 +207,7 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -119,6 +119,12 @@ async def info(request: Request) -> JSONResponse:
             # "flash-attn": the paged runner attends with flash-attn (CUDA, installed); "sdpa":
             # with torch's scaled_dot_product_attention (and matmuls on CPU)
             "model_attention": worker.attention if worker else None,
+            # structured output: the grammar engine, or null with --disable-grammar-support;
+            # n-gram speculation (--speculate) proposes no tokens for constrained requests
+            "grammar_backend": None if settings.disable_grammar_support else "llguidance",
+            "speculate": worker.num_speculative_tokens if worker else None,
+            "speculate_constrained": False,
+            "tool_call_parser": settings.tool_call_parser,
         }
     )
 
