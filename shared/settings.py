@@ -70,7 +70,7 @@ class Settings(BaseSettings):
     disable_grammar_support: bool = Field(
         False, description="refuse grammars, response_format schemas and forced tools (TGI's)"
     )
-    tool_call_parser: str = Field(
+    tool_call_parser: Literal["auto", "hermes", "mistral", "llama3_json"] = Field(
         "auto",
         description="how `tool_choice: auto` reads calls in the model's text: hermes "
         "(<tool_call>JSON</tool_call>), llama3_json, mistral ([TOOL_CALLS]), or auto (from the "
@@ -166,6 +166,8 @@ class Settings(BaseSettings):
             parse_cpus(self.worker_cpus)  # raises ValueError with the reason
         if not 0 <= self.speculate <= 16:
             raise ValueError("speculate must be between 0 and 16")
+        if self.grammar_compile_timeout <= 0:
+            raise ValueError("grammar_compile_timeout must be positive")
         if (
             self.max_input_tokens is not None
             and self.max_total_tokens is not None

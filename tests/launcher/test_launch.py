@@ -313,3 +313,38 @@ def test_a_model_that_cannot_be_found_is_one_clear_line(model):
     assert len(lines) == 1 and "Traceback" not in out.stderr + out.stdout, out.stderr
     assert lines[0].startswith("textgen launch: ") and model in lines[0]
     assert "pass a local model folder" in lines[0] or "does not exist" in lines[0]
+
+
+def test_launch_with_grammar_flags(tiny_llama):
+    """--disable-grammar-support refuses every constraint with TGI's message (422 on TGI's
+    routes, 400 on OpenAI's) and unconstrained requests still run; --tool-call-parser and
+    --grammar-compile-timeout reach the services (/info shows the parser)."""
+    port = free_port()
+    flags = ("--disable-grammar-support", "--tool-call-parser", "mistral")
+    process = launch(tiny_llama, port, *flags, "--grammar-compile-timeout", "3")
+    try:
+        wait_for_line(process, "textgen is ready", timeout=120)
+        base = f"http://127.0.0.1:{port}"
+        grammar = {"type": "regex", "value": "[0-9]+"}
+        body = {"inputs": "the cat", "parameters": {"max_new_tokens": 3, "grammar": grammar}}
+        refused = httpx.post(f"{base}/generate", json=body, timeout=60)
+        assert refused.status_code == 422
+        assert refused.json() == {
+            "error": "Input validation error: grammar is not supported",
+            "error_type": "validation",
+        }
+        chat = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "response_format": {"type": "json_object"},
+        }
+        refused = httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=60)
+        assert refused.status_code == 400
+        assert "grammar is not supported" in refused.json()["error"]["message"]
+        del body["parameters"]["grammar"]
+        assert httpx.post(f"{base}/generate", json=body, timeout=60).status_code == 200
+        info = httpx.get(f"{base}/info", timeout=10).json()
+        assert info["grammar_backend"] is None and info["tool_call_parser"] == "mistral"
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
