@@ -79,8 +79,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     @property
     def is_plain_greedy(self) -> bool:
-        """Argmax of the raw logits: no draw, no penalty, no watermark. Such a token depends on
-        its own logits only, so speculative proposals can be verified in one pass."""
+        """Argmax of the logits (masked by the constraint, if any): no draw, no penalty, no
+        watermark. Such a token depends on its own logits row only."""
         return not (
             self.do_sample
             or self.watermark
@@ -88,8 +88,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
             or self.logit_bias
-            or self.constraint is not None
         )
+
+    @property
+    def can_speculate(self) -> bool:
+        """n-gram proposals are verified for plain greedy requests without a constraint (a
+        constraint's mask would have to be checked per proposal: off, said in /info)."""
+        return self.is_plain_greedy and self.constraint is None
 
 
 class StoppingParams(msgspec.Struct, omit_defaults=True, kw_only=True):

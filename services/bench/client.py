@@ -28,10 +28,10 @@ class LevelRun:
 
 def body(case: Case) -> dict:
     """A greedy TGI request; details for the token count of the final event."""
-    return {
-        "inputs": case.prompt,
-        "parameters": {"max_new_tokens": case.max_new_tokens, "details": True},
-    }
+    parameters: dict = {"max_new_tokens": case.max_new_tokens, "details": True}
+    if case.grammar is not None:
+        parameters["grammar"] = case.grammar
+    return {"inputs": case.prompt, "parameters": parameters}
 
 
 async def stream_one(client: StreamingClient, case: Case) -> RequestRecord:

@@ -109,6 +109,15 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
         "TTFT ratio and identical outputs (use with --shared-prefix-len)",
     )
     parser.add_argument(
+        "--constrained-share",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="run each --concurrency level twice on the same prompts: plain, then with a "
+        "share F (0-1) of the requests under a JSON schema; throughput and ITL ratios and a "
+        "new schema's compile time",
+    )
+    parser.add_argument(
         "--ceiling",
         action="store_true",
         help="time in-process decode steps at batch 32 against this machine's matmul ceiling",

@@ -25,6 +25,8 @@ from typing import Any
 from services.bench import cpu
 from services.bench.arrivals import poisson_arrivals
 from services.bench.client import LevelRun, run_closed_loop, run_open_loop
+from services.bench.constrained import compare as compare_constrained
+from services.bench.constrained import format_constrained
 from services.bench.flags import concurrency_levels
 from services.bench.inprocess import load_inprocess, run_ceiling
 from services.bench.placement import Placement
@@ -221,6 +223,10 @@ def _check_args(args: argparse.Namespace) -> str | None:
             Placement(args.worker_cpus)
         except ValueError as exc:
             return str(exc)
+    if not 0.0 <= args.constrained_share <= 1.0:
+        return f"--constrained-share must be between 0 and 1, got {args.constrained_share}"
+    if args.constrained_share and args.request_rate:
+        return "--constrained-share compares closed-loop levels: drop --request-rate"
     if args.rounds < 1:
         return f"--rounds must be at least 1, got {args.rounds}"
     if args.rounds > 1:
@@ -256,7 +262,17 @@ def run(args: argparse.Namespace) -> int:
     rounds: list[dict[str, Any]] = []
     with server(args.url, str(model_dir), args.launch_arg, placement=args.placement) as served:
         dtype = served_dtype(served.url) or "float32"
-        runs = run_levels(served, cases, args)
+        runs = run_levels(served, cases, args) if not args.constrained_share else []
+        if args.constrained_share:
+            show = not args.no_progress
+
+            def level(level_cases: list[Case], concurrency: int, label: str) -> LevelRun:
+                return closed_level(served, level_cases, concurrency, label, show)
+
+            aio.run(run_closed_loop(served.url, cases[:2], 2))  # warm-up, not reported
+            constrained = compare_constrained(
+                cases, args.constrained_share, level, concurrency_levels(args), model_dir
+            )
         if args.compare_inprocess:
             inprocess_baseline, rounds = compare_inprocess(served, model_dir, cases, runs, args)
     report: dict[str, Any] = {
@@ -277,6 +293,8 @@ def run(args: argparse.Namespace) -> int:
         if rounds:
             report["rounds"] = {"rounds": rounds, "median": median_of_rounds(rounds)}
     add_ratios(report)
+    if args.constrained_share:
+        report["constrained"] = constrained
     if args.compare_prefix_caching:
         report["prefix_caching"] = compare_prefix_caching(model_dir, cases, args, runs)
     if args.ceiling:
@@ -284,5 +302,9 @@ def run(args: argparse.Namespace) -> int:
             report["ceiling"] = run_ceiling(model_dir)
     if args.plot is not None:
         plot(report, args.plot)
-    print(json.dumps(report) if args.json else format_table(report))
-    return 0 if all(level["num_failed"] == 0 for level in report["levels"]) else 1
+    text = format_table(report)
+    if args.constrained_share:
+        text += "\n" + "\n".join(format_constrained(report["constrained"]))
+    print(json.dumps(report) if args.json else text)
+    levels = report["levels"] + report.get("constrained", {}).get("levels", [])
+    return 0 if all(level["num_failed"] == 0 for level in levels) else 1

@@ -28,6 +28,7 @@ WORDS = (
 class Case:
     prompt: str  # text sent as `inputs`
     max_new_tokens: int  # requested output length
+    grammar: dict | None = None  # TGI's `grammar` parameter (--constrained-share)
 
 
 def parse_range(text: str) -> tuple[int, int]:

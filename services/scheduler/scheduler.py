@@ -227,7 +227,7 @@ class Scheduler:
         N per step in flight, since a step planned before the previous one is answered starts
         where that one's accepted proposals end. Never past the request's last token."""
         n = self.config.num_speculative_tokens
-        if not n or num_tokens != 1 or not request.message.sampling.is_plain_greedy:
+        if not n or num_tokens != 1 or not request.message.sampling.can_speculate:
             return 0
         if request.num_computed_tokens + 1 != request.num_known_tokens:
             return 0  # not a decode (a prompt chunk ends here)

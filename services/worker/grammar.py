@@ -1,14 +1,13 @@
 """Constrained decoding in the worker: grammars compiled off the step loop, one matcher per
-request, the next-token bitmask filled while the forward pass runs.
+request, the next-token bitmask filled beside the forward pass.
 
 A request arrives with a `Constraint` (the gateway checked it). `attach` starts its compile on
 a small thread pool, or finds it in the cache (keyed by the constraint's hash: a compiled
 matcher in its start state, copied per request). Each step, for the requests that sample:
 
-- `begin_masks` (before the forward) takes each ready request's matcher and fills its row of
-  the step's int32 bitmask on another thread (llguidance releases the GIL);
-- `finish_masks` (after the forward) waits for that, settles the requests whose compile ended
-  during the forward, and returns the allowed-token rows as booleans;
+- `masks` (once the forward pass is launched) fills each ready request's row of the step's
+  int32 bitmask (llguidance, about 7 µs a row for a 512-token vocabulary) and returns the
+  allowed-token rows as booleans;
 - the sampler masks those rows after the penalties, before temperature and the warpers
   (TGI's order), and the runner advances the matcher with the token it took (`accept`).
 
@@ -39,6 +38,7 @@ from shared.messages import Constraint
 log = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # compiled grammars kept (start-state matchers; small)
+PARALLEL_ROWS = 32  # more constrained rows than this in a step: filled on llguidance's threads
 
 
 @dataclass
@@ -56,16 +56,6 @@ class RequestGrammar:
     def failed(cls, constraint: Constraint, error: str) -> RequestGrammar:
         never: Future[LLMatcher] = Future()
         return cls(constraint, never, time.monotonic(), error=error)
-
-
-@dataclass
-class StepMasks:
-    """The bitmask of one step: rows of the sampling requests that have a grammar."""
-
-    bitmask: np.ndarray  # int32 [num_sampling, ceil(vocab / 32)]; bit set = token allowed
-    owners: list[tuple[int, RequestGrammar]] = field(default_factory=list)  # (row, grammar)
-    late: list[tuple[int, RequestGrammar]] = field(default_factory=list)  # compiling at the start
-    filling: Future[None] | None = None  # the fill running beside the forward pass
 
 
 class GrammarEngine:
@@ -108,13 +98,15 @@ class GrammarEngine:
                 self._count("cache_hit")
             else:
                 self._count("cache_miss")
-                compiled = self.pool.submit(self._compile, constraint)
+                compiled = self.pool.submit(self.build, constraint)
                 self.cache[constraint.key] = compiled
                 while len(self.cache) > CACHE_SIZE:
                     self.cache.popitem(last=False)
         return RequestGrammar(constraint, compiled, time.monotonic(), list(generated_ids))
 
-    def _compile(self, constraint: Constraint) -> LLMatcher:
+    def build(self, constraint: Constraint) -> LLMatcher:
+        """The constraint compiled for this tokenizer: a matcher in its start state (on the
+        pool; the bench times it directly). Raises GrammarError."""
         started = time.perf_counter()
         try:
             text = grammar_text(constraint)
@@ -165,51 +157,42 @@ class GrammarEngine:
 
     # --- per step ------------------------------------------------------------------------
 
-    def begin_masks(self, grammars: list[RequestGrammar | None]) -> StepMasks | None:
-        """Start filling the rows of the ready grammars (one row per sampling request, in
-        order); None when no sampling request has a grammar."""
-        if not any(grammars):
-            return None
-        masks = StepMasks(np.full((len(grammars), (self.vocab_size + 31) // 32), -1, np.int32))
-        for row, grammar in enumerate(grammars):
-            if grammar is None:
-                continue
-            if self.settle(grammar):
-                masks.owners.append((row, grammar))
-            elif not grammar.error:
-                masks.late.append((row, grammar))
-        if masks.owners:
-            masks.filling = self.pool.submit(self._fill, masks.bitmask, masks.owners)
-        return masks
-
-    def _fill(self, bitmask: np.ndarray, owners: list[tuple[int, RequestGrammar]]) -> None:
-        started = time.perf_counter()
-        rows = [(grammar.matcher, row) for row, grammar in owners if grammar.matcher is not None]
-        self.executor.unsafe_compute_mask_ptr(
-            rows, bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0]
-        )
-        if self.metrics is not None:
-            self.metrics.grammar_mask_seconds.observe(time.perf_counter() - started)
-
-    def finish_masks(self, masks: StepMasks, device: torch.device) -> dict[int, torch.Tensor]:
-        """Row -> allowed tokens (bool [vocab]) for every grammar that samples this step."""
-        late = [(row, grammar) for row, grammar in masks.late if self.settle(grammar)]
-        if masks.filling is not None:
-            masks.filling.result()
-        if late:  # compiled during the forward pass
-            self._fill(masks.bitmask, late)
-            masks.owners += late
-        for _, grammar in masks.owners:  # a grammar can exhaust its limits as it goes
-            if grammar.matcher is not None and grammar.matcher.is_error():
-                grammar.error = f"the grammar failed: {grammar.matcher.get_error()}"
-                self._count("error")
-        owners = [(row, grammar) for row, grammar in masks.owners if not grammar.error]
+    def masks(
+        self, grammars: list[RequestGrammar | None], device: torch.device
+    ) -> dict[int, torch.Tensor]:
+        """Row -> allowed tokens (bool [vocab]) of each sampling request (one row each, in
+        order) whose grammar is ready. Called once the forward pass is launched: on CUDA the
+        rows are filled while the GPU computes; on the CPU, where the pass holds every core,
+        right after it (a helper thread would only take cores from it)."""
+        owners = [
+            (row, grammar)
+            for row, grammar in enumerate(grammars)
+            if grammar is not None and self.settle(grammar)
+        ]
         if not owners:
             return {}
-        rows = [row for row, _ in owners]
-        allowed = unpack(masks.bitmask[rows], self.vocab_size)
-        tensor = torch.from_numpy(allowed).to(device)
-        return {row: tensor[i] for i, row in enumerate(rows)}
+        started = time.perf_counter()
+        bitmask = np.full((len(owners), (self.vocab_size + 31) // 32), -1, np.int32)
+        width = bitmask.shape[1] * 4
+        matchers = [grammar.matcher for _, grammar in owners if grammar.matcher is not None]
+        if len(matchers) > PARALLEL_ROWS:  # llguidance's threads, without the GIL
+            rows = [(matcher, i) for i, matcher in enumerate(matchers)]
+            self.executor.unsafe_compute_mask_ptr(rows, bitmask.ctypes.data, width, len(rows))
+        else:
+            for i, matcher in enumerate(matchers):
+                matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data + i * width, width)
+        if self.metrics is not None:
+            self.metrics.grammar_mask_seconds.observe(time.perf_counter() - started)
+        allowed = torch.from_numpy(unpack(bitmask, self.vocab_size)).to(device)
+        masks = {}
+        for i, (row, grammar) in enumerate(owners):
+            assert grammar.matcher is not None
+            if grammar.matcher.is_error():  # a grammar can exhaust its limits as it goes
+                grammar.error = f"the grammar failed: {grammar.matcher.get_error()}"
+                self._count("error")
+            else:
+                masks[row] = allowed[i]
+        return masks
 
     @staticmethod
     def accept(grammar: RequestGrammar, token_id: int) -> str:

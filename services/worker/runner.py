@@ -70,15 +70,12 @@ class ModelRunner:
             return StepOutcome(StepResult(step_id=plan.step_id), {})
         try:
             batch = self._pack(scheduled)
-            grammars = [state.grammar for state in batch.sampling]
-            masks = self.grammar.begin_masks(grammars) if self.grammar else None
             forward_started = time.perf_counter()
-            logits = self._forward(batch)
+            logits = self._forward(batch)  # on CUDA: launched, not waited for
             forward_s = time.perf_counter() - forward_started
             sample_started = time.perf_counter()
-            allowed = (
-                self.grammar.finish_masks(masks, logits.device) if self.grammar and masks else {}
-            )
+            grammars = [state.grammar for state in batch.sampling]
+            allowed = self.grammar.masks(grammars, logits.device) if self.grammar else {}
             samples = self._sample(batch, logits, allowed)
             sample_s = time.perf_counter() - sample_started
         except Exception as exc:  # the whole step fails; every request in it ends
@@ -180,7 +177,7 @@ class ModelRunner:
             self.num_speculative_tokens
             and state.num_scheduled_tokens == 1
             and state.samples_this_step
-            and state.sampling.is_plain_greedy
+            and state.sampling.can_speculate
         ):
             return []
         room = min(
@@ -236,10 +233,19 @@ class ModelRunner:
         self, sampling: list[RequestState], logits: torch.Tensor, allowed: dict[int, torch.Tensor]
     ) -> list[Sampled | None]:
         samples: list[Sampled | None] = [None] * len(sampling)
-        greedy_rows = [i for i, s in enumerate(sampling) if not needs_own_row(s.sampling)]
+        greedy_rows = [
+            i
+            for i, s in enumerate(sampling)
+            if not needs_own_row(s.sampling) and (s.grammar is None or i in allowed)
+        ]
         if greedy_rows:
+            rows = logits[greedy_rows]
+            masked = [n for n, i in enumerate(greedy_rows) if i in allowed]
+            if masked:  # the constrained ones: disallowed tokens out, in one operation
+                masks = torch.stack([allowed[greedy_rows[n]] for n in masked])
+                rows[masked] = rows[masked].masked_fill(~masks, float("-inf"))
             batch = sample_greedy_batch(
-                logits[greedy_rows],
+                rows,
                 [sampling[i].sampling.top_n_tokens for i in greedy_rows],
                 self.kernels,
             )

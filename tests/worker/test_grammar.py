@@ -121,14 +121,14 @@ def test_unconstrained_requests_in_a_constrained_batch_equal_transformers(tiny_l
 def test_a_slow_compile_delays_only_its_request(tiny_llama):
     engine = Engine(tiny_llama)
     grammar = engine.runner.grammar
-    compile_ = grammar._compile
+    compile_ = grammar.build
     release = threading.Event()
 
     def slow(constraint):
         release.wait(10)
         return compile_(constraint)
 
-    grammar._compile = slow
+    grammar.build = slow
     prompt = engine.tokenizer.encode("the dog ran").ids
     waiting = engine.add(prompt, 40, sampling(json_schema_constraint(FLAGS), None))
     plain = engine.add(prompt, 8)
@@ -147,8 +147,8 @@ def test_a_compile_timeout_or_error_fails_only_its_request(tiny_llama):
     engine = Engine(tiny_llama)
     grammar = engine.runner.grammar
     grammar.compile_timeout_s = 0.2
-    compile_ = grammar._compile
-    grammar._compile = lambda constraint: time.sleep(1.0) or compile_(constraint)
+    compile_ = grammar.build
+    grammar.build = lambda constraint: time.sleep(1.0) or compile_(constraint)
     prompt = engine.tokenizer.encode("the dog ran").ids
     timed_out = engine.add(prompt, 20, sampling(make_constraint(ConstraintKind.REGEX, "a+"), None))
     plain = engine.add(prompt, 30)
@@ -158,7 +158,7 @@ def test_a_compile_timeout_or_error_fails_only_its_request(tiny_llama):
     assert engine.take(plain).token_ids == greedy_continuation(
         reference_model(tiny_llama), prompt, 30, [2]
     )
-    grammar._compile = compile_
+    grammar.build = compile_
     broken = engine.add(prompt, 20, sampling(make_constraint(ConstraintKind.REGEX, "(a"), None))
     fine = engine.add(prompt, 20, sampling(make_constraint(ConstraintKind.REGEX, "b+"), None))
     engine.run()
