@@ -113,9 +113,9 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         metavar="F",
-        help="run each --concurrency level twice on the same prompts: plain, then with a "
-        "share F (0-1) of the requests under a JSON schema; throughput and ITL ratios and a "
-        "new schema's compile time",
+        help="run each --concurrency level four times on the same prompts: plain, twice with "
+        "a share F (0-1) of the requests under a JSON schema, plain; throughput and ITL "
+        "ratios and a new schema's compile time",
     )
     parser.add_argument(
         "--ceiling",

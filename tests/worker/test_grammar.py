@@ -180,3 +180,23 @@ def test_a_resumed_request_continues_its_grammar(stories_model):
         )
         engine.run()
         assert whole.token_ids[:cut] + engine.take(request_id).token_ids == whole.token_ids
+
+
+def test_constrained_requests_survive_preemption_and_skip_speculation(tiny_llama):
+    """A KV cache too small for the batch preempts requests (recomputed later from their
+    tokens, matcher rebuilt); with --speculate, constrained requests get no proposals and
+    plain greedy ones still do."""
+    engine = Engine(tiny_llama, num_blocks=24, block_size=16, speculate=3)
+    prompt = engine.tokenizer.encode("the cat sat on the mat").ids
+    constrained = [
+        engine.add(prompt, 250, sampling(json_schema_constraint(PERSON), seed))
+        for seed in (None, 1, 2, 3, 4)
+    ]
+    plain = engine.add(prompt, 40)
+    engine.run()
+    assert engine.scheduler.counters.num_preempted > 0
+    for request_id in constrained:
+        jsonschema.validate(json.loads(engine.take(request_id).text), PERSON)
+    expected = greedy_continuation(reference_model(tiny_llama), prompt, 40, [2])
+    assert engine.take(plain).token_ids == expected
+    assert engine.stats.num_draft_tokens > 0
