@@ -6,8 +6,8 @@ a small thread pool, or finds it in the cache (keyed by the constraint's hash: a
 matcher in its start state, copied per request). Each step, for the requests that sample:
 
 - `masks` (once the forward pass is launched) fills each ready request's row of the step's
-  int32 bitmask (llguidance, about 7 µs a row for a 512-token vocabulary) and returns the
-  allowed-token rows as booleans;
+  int32 bitmask (llguidance: about 3 µs a row for SmolLM2's 49,152 tokens) and returns the
+  ruled-out tokens of each row as booleans;
 - the sampler masks those rows after the penalties, before temperature and the warpers
   (TGI's order), and the runner advances the matcher with the token it took (`accept`).
 
@@ -160,10 +160,11 @@ class GrammarEngine:
     def masks(
         self, grammars: list[RequestGrammar | None], device: torch.device
     ) -> dict[int, torch.Tensor]:
-        """Row -> allowed tokens (bool [vocab]) of each sampling request (one row each, in
-        order) whose grammar is ready. Called once the forward pass is launched: on CUDA the
-        rows are filled while the GPU computes; on the CPU, where the pass holds every core,
-        right after it (a helper thread would only take cores from it)."""
+        """Row -> the tokens ruled out (bool [vocab], True = masked) for each sampling
+        request (one row each, in order) whose grammar is ready. Called once the forward
+        pass is launched: on CUDA the rows are filled while the GPU computes; on the CPU,
+        where the pass holds every core, right after it (a helper thread would only take
+        cores from it)."""
         owners = [
             (row, grammar)
             for row, grammar in enumerate(grammars)
@@ -183,7 +184,7 @@ class GrammarEngine:
                 matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data + i * width, width)
         if self.metrics is not None:
             self.metrics.grammar_mask_seconds.observe(time.perf_counter() - started)
-        allowed = torch.from_numpy(unpack(bitmask, self.vocab_size)).to(device)
+        ruled_out = torch.from_numpy(unpack(~bitmask, self.vocab_size)).to(device)
         masks = {}
         for i, (row, grammar) in enumerate(owners):
             assert grammar.matcher is not None
@@ -191,7 +192,7 @@ class GrammarEngine:
                 grammar.error = f"the grammar failed: {grammar.matcher.get_error()}"
                 self._count("error")
             else:
-                masks[row] = allowed[i]
+                masks[row] = ruled_out[i]
         return masks
 
     @staticmethod

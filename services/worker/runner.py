@@ -75,8 +75,8 @@ class ModelRunner:
             forward_s = time.perf_counter() - forward_started
             sample_started = time.perf_counter()
             grammars = [state.grammar for state in batch.sampling]
-            allowed = self.grammar.masks(grammars, logits.device) if self.grammar else {}
-            samples = self._sample(batch, logits, allowed)
+            ruled_out = self.grammar.masks(grammars, logits.device) if self.grammar else {}
+            samples = self._sample(batch, logits, ruled_out)
             sample_s = time.perf_counter() - sample_started
         except Exception as exc:  # the whole step fails; every request in it ends
             log.exception("step %d failed", plan.step_id)
@@ -208,14 +208,14 @@ class ModelRunner:
             owner.prompt_logprobs.append(logprob)
 
     def _sample(
-        self, batch: PackedBatch, logits: torch.Tensor, allowed: dict[int, torch.Tensor]
+        self, batch: PackedBatch, logits: torch.Tensor, ruled_out: dict[int, torch.Tensor]
     ) -> list[list[Sampled]]:
         """Per sampling request: its token, then the greedy token after each of its drafts
         (none for a request whose grammar is not ready: it samples nothing this step)."""
         sampling = batch.sampling
         candidates = [
             [sample] if sample is not None else []
-            for sample in self._sample_rows(sampling, logits, allowed)
+            for sample in self._sample_rows(sampling, logits, ruled_out)
         ]
         if batch.draft_rows:
             draft_logits = logits[len(sampling) :]
@@ -230,20 +230,24 @@ class ModelRunner:
         return candidates
 
     def _sample_rows(
-        self, sampling: list[RequestState], logits: torch.Tensor, allowed: dict[int, torch.Tensor]
+        self,
+        sampling: list[RequestState],
+        logits: torch.Tensor,
+        ruled_out: dict[int, torch.Tensor],
     ) -> list[Sampled | None]:
+        """Per sampling request its token; None for one whose grammar is not ready.
+        `ruled_out`: row -> the tokens its grammar forbids."""
         samples: list[Sampled | None] = [None] * len(sampling)
         greedy_rows = [
             i
             for i, s in enumerate(sampling)
-            if not needs_own_row(s.sampling) and (s.grammar is None or i in allowed)
+            if not needs_own_row(s.sampling) and (s.grammar is None or i in ruled_out)
         ]
         if greedy_rows:
-            rows = logits[greedy_rows]
-            masked = [n for n, i in enumerate(greedy_rows) if i in allowed]
-            if masked:  # the constrained ones: disallowed tokens out, in one operation
-                masks = torch.stack([allowed[greedy_rows[n]] for n in masked])
-                rows[masked] = rows[masked].masked_fill(~masks, float("-inf"))
+            rows = logits[greedy_rows]  # a copy: masked in place
+            for n, i in enumerate(greedy_rows):
+                if i in ruled_out:  # a constrained row: its grammar's forbidden tokens out
+                    rows[n].masked_fill_(ruled_out[i], float("-inf"))
             batch = sample_greedy_batch(
                 rows,
                 [sampling[i].sampling.top_n_tokens for i in greedy_rows],
@@ -252,13 +256,13 @@ class ModelRunner:
             for row, sample in zip(greedy_rows, batch):
                 samples[row] = sample
         for i, state in enumerate(sampling):
-            if samples[i] is None and (state.grammar is None or i in allowed):
+            if samples[i] is None and (state.grammar is None or i in ruled_out):
                 samples[i] = sample_one(
                     logits[i],
                     state.sampling,
                     state.token_ids,
                     state.num_generated + 1,
-                    allowed.get(i),
+                    ruled_out.get(i),
                 )
         return samples
 

@@ -98,16 +98,16 @@ def sample_one(
     params: SamplingParams,
     token_ids: list[int],
     token_index: int,
-    allowed: torch.Tensor | None = None,
+    ruled_out: torch.Tensor | None = None,
 ) -> Sampled:
-    """The next token of one request from its logits row. [vocab] float32. `allowed`: the
-    tokens its grammar permits (bool [vocab]), masked after the penalties and before the
+    """The next token of one request from its logits row. [vocab] float32. `ruled_out`: the
+    tokens its grammar forbids (bool [vocab]), masked after the penalties and before the
     warpers, as TGI does; logprobs are then those of the masked distribution."""
     logits = apply_penalties(logits.float(), params, token_ids)
     if params.watermark:
         logits = apply_watermark(logits, token_ids)
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed, float("-inf"))
+    if ruled_out is not None:
+        logits = logits.masked_fill(ruled_out, float("-inf"))
     if params.do_sample:
         logits = warp(logits, params)
     log_probs = logits.log_softmax(-1)
