@@ -159,7 +159,10 @@ def template_messages(body: ChatBody) -> list[dict[str, Any]]:
 
 
 def as_template_call(call: dict[str, Any]) -> dict[str, Any]:
-    function = dict(call.get("function") or {})
+    function = call.get("function")
+    if not isinstance(function, dict):
+        return call  # the template decides what to make of it
+    function = dict(function)
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
