@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
-from llguidance import LLMatcher, gbnf_to_lark
+from llguidance import LLMatcher, LLTokenizer, gbnf_to_lark
 
 from shared.messages import Constraint, ConstraintKind
 
@@ -108,3 +109,19 @@ def first_line(message: str) -> str:
     """llguidance's messages can carry a caret diagram over several lines; clients get the
     first line (and the rest is kept when it names the position)."""
     return " ".join(line.strip() for line in message.strip().splitlines() if line.strip())[:1000]
+
+
+def load_tokenizer(folder: Path, vocab_size: int, eos_token_ids: list[int]) -> LLTokenizer:
+    """The model's token table for matchers, from its tokenizer.json (the fast tokenizer's
+    file, added tokens included); `vocab_size`: the logits' width. Up to a second for a
+    large vocabulary: built once."""
+    text = (folder / "tokenizer.json").read_text()
+    return LLTokenizer(text, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+
+
+def compile_matcher(tokenizer: LLTokenizer, constraint: Constraint) -> LLMatcher:
+    """A matcher in the constraint's start state. Raises GrammarError."""
+    matcher = LLMatcher(tokenizer, grammar_text(constraint), log_level=0)
+    if matcher.is_error():
+        raise GrammarError(matcher.get_error())
+    return matcher

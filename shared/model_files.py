@@ -64,6 +64,12 @@ def read_json(folder: Path, name: str) -> dict[str, Any]:
     return data
 
 
+def vocab_size_of(folder: Path) -> int:
+    """Rows of the model's logits (its config's vocab_size, padding included)."""
+    config = read_json(folder, "config.json")
+    return int(config.get("text_config", config).get("vocab_size", 32000))
+
+
 def eos_token_ids(folder: Path) -> list[int]:
     """End-of-sequence ids from generation_config.json, else config.json."""
     for name in ("generation_config.json", "config.json"):

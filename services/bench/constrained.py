@@ -23,7 +23,8 @@ from services.bench.client import LevelRun
 from services.bench.report import level_metrics
 from services.bench.stats import Summary
 from services.bench.workload import Case
-from shared.grammar import json_schema_constraint
+from shared.grammar import compile_matcher, json_schema_constraint, load_tokenizer
+from shared.model_files import eos_token_ids, vocab_size_of
 
 # an API-style answer: bounded strings, an array, an integer with bounds
 SCHEMA: dict[str, Any] = {
@@ -55,14 +56,10 @@ def with_constraints(cases: list[Case], share: float) -> list[Case]:
 
 
 def compile_seconds(model_dir: Path, samples: int = 5) -> float:
-    """Median seconds the worker's compile takes for a schema it has not seen (one new
-    property name per sample), with the tokenizer already loaded as at worker start."""
-    from services.worker.fake import vocab_size_of
-    from services.worker.grammar import GrammarEngine
-    from shared.model_files import eos_token_ids
-
-    engine = GrammarEngine(model_dir, vocab_size_of(model_dir), eos_token_ids(model_dir))
-    engine.tokenizer.result()
+    """Median seconds the worker's compile (shared.grammar.compile_matcher) takes for a schema
+    it has not seen (one new property name per sample), the token table built beforehand as
+    at worker start."""
+    tokenizer = load_tokenizer(model_dir, vocab_size_of(model_dir), eos_token_ids(model_dir))
     times = []
     for _ in range(samples):
         fresh = {
@@ -70,7 +67,7 @@ def compile_seconds(model_dir: Path, samples: int = 5) -> float:
             "properties": {**SCHEMA["properties"], uuid.uuid4().hex: {"type": "boolean"}},
         }
         started = time.perf_counter()
-        engine.build(json_schema_constraint(fresh))
+        compile_matcher(tokenizer, json_schema_constraint(fresh))
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 

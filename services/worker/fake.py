@@ -13,7 +13,7 @@ import torch
 from services.worker.backends import ForwardBackend, PackedBatch
 from services.worker.kv_cache import CacheShape, PagedKVCache
 from services.worker.loader import LoadedModel
-from shared.model_files import context_length, eos_token_ids, read_json, resolve_model_dir
+from shared.model_files import context_length, eos_token_ids, resolve_model_dir
 
 FAKE_SHAPE = CacheShape(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
 
@@ -55,8 +55,3 @@ class Simulated(ForwardBackend):
             logits[row, token_id] = 10.0
         unscored = torch.full((len(batch.prompt_rows), self.vocab_size), float("nan"))
         return torch.cat([logits, unscored])  # prompt logprobs do not exist here
-
-
-def vocab_size_of(folder: Path) -> int:
-    config = read_json(folder, "config.json")
-    return int(config.get("text_config", config).get("vocab_size", 32000))

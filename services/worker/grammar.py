@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
-from shared.grammar import GrammarError, grammar_text
+from shared.grammar import GrammarError, compile_matcher, load_tokenizer
 from shared.messages import Constraint
 
 log = logging.getLogger(__name__)
@@ -79,13 +79,8 @@ class GrammarEngine:
         # the tokenizer's token table takes up to a second for a large vocabulary: built once,
         # at load, beside the model (the first constrained request does not pay for it)
         self.tokenizer: Future[LLTokenizer] = self.pool.submit(
-            self._load_tokenizer, tokenizer_folder, eos_token_ids
+            load_tokenizer, tokenizer_folder, vocab_size, eos_token_ids
         )
-
-    def _load_tokenizer(self, folder: Path, eos_token_ids: list[int]) -> LLTokenizer:
-        """From the model's tokenizer.json (the fast tokenizer's file, added tokens included)."""
-        text = (folder / "tokenizer.json").read_text()
-        return LLTokenizer(text, n_vocab=self.vocab_size, eos_token=list(eos_token_ids))
 
     # --- compile -------------------------------------------------------------------------
 
@@ -105,19 +100,15 @@ class GrammarEngine:
         return RequestGrammar(constraint, compiled, time.monotonic(), list(generated_ids))
 
     def build(self, constraint: Constraint) -> LLMatcher:
-        """The constraint compiled for this tokenizer: a matcher in its start state (on the
-        pool; the bench times it directly). Raises GrammarError."""
+        """The constraint compiled for this tokenizer: a matcher in its start state (run on
+        the pool). Raises GrammarError."""
         started = time.perf_counter()
         try:
-            text = grammar_text(constraint)
+            matcher = compile_matcher(self.tokenizer.result(), constraint)
         except GrammarError:
-            self._forget(constraint.key)
+            self._forget(constraint.key)  # not cached: the next request gets the error anew
             raise
-        matcher = LLMatcher(self.tokenizer.result(), text, log_level=0)
         seconds = time.perf_counter() - started
-        if matcher.is_error():
-            self._forget(constraint.key)
-            raise GrammarError(matcher.get_error())
         if self.metrics is not None:
             self.metrics.grammar_compile_seconds.observe(seconds)
         log.debug(

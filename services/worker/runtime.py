@@ -16,7 +16,7 @@ import time
 
 from services.worker import flash_attention
 from services.worker.backends import FastDecoderPass, ForwardBackend, PagedFlash, PagedSdpa
-from services.worker.fake import Simulated, vocab_size_of
+from services.worker.fake import Simulated
 from services.worker.fallback import EncoderDecoder, OwnCache
 from services.worker.grammar import GrammarEngine
 from services.worker.kv_cache import PagedKVCache, default_budget, plan_num_blocks
@@ -24,6 +24,7 @@ from services.worker.loader import FALLBACK, SEQ2SEQ, LoadedModel
 from services.worker.metrics import WorkerMetrics
 from services.worker.runner import ModelRunner
 from shared.messages import WorkerReady
+from shared.model_files import vocab_size_of
 
 log = logging.getLogger(__name__)
 

@@ -84,3 +84,31 @@ def test_plot_without_matplotlib_says_how_to_get_it(capsys, stories_model, tmp_p
     argv = ["bench", "--model-id", str(stories_model), "--plot", str(tmp_path / "out.png")]
     assert main(argv) == 2
     assert MISSING in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_constrained_share_reports_ratios_and_compile_time(stories_model):
+    argv = [sys.executable, "-m", "services.launcher.cli", "bench", "--model-id"]
+    argv += [str(stories_model), "--num-requests", "8", "--concurrency", "4", "--json"]
+    argv += ["--input-len-range", "16:32", "--output-len-range", "40:40", "--no-progress"]
+    argv += ["--constrained-share", "0.5"]
+    result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)["constrained"]
+    assert report["share"] == 0.5 and report["compile_ms"] > 0
+    (level,) = report["levels"]
+    assert level["concurrency"] == 4 and level["num_failed"] == 0
+    assert level["plain_tok_s"] > 0 and level["mixed_tok_s"] > 0
+    assert level["throughput_ratio"] == round(level["mixed_tok_s"] / level["plain_tok_s"], 3)
+    assert level["itl_p50_constrained_ms"] > 0 and level["itl_p50_unconstrained_ms"] > 0
+
+
+def test_constrained_share_marks_an_even_spread():
+    from services.bench.constrained import constrained_indexes, with_constraints
+    from services.bench.workload import Case
+
+    assert constrained_indexes(8, 0.5) == {0, 2, 4, 6}
+    assert constrained_indexes(10, 0.0) == set() and len(constrained_indexes(10, 1.0)) == 10
+    cases = with_constraints([Case("x", 4)] * 4, 0.25)
+    assert [case.grammar is not None for case in cases] == [True, False, False, False]
+    assert main(["bench", "--model-id", "x", "--constrained-share", "2"]) == 2
