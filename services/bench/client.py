@@ -1,6 +1,7 @@
-"""The load generators: streamed /generate_stream requests, closed loop (a fixed number in
-flight) or open loop (sent at given times whatever is in flight). Each request becomes a
-RequestRecord (services.bench.timeline); the caller turns those into metrics."""
+"""The load generators: streamed requests (/generate_stream, or /v1/completions: apis.py),
+closed loop (a fixed number in flight) or open loop (sent at given times whatever is in
+flight). Each request becomes a RequestRecord (services.bench.timeline); the caller turns
+those into metrics."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services.bench.apis import Api
 from services.bench.sse_client import HTTPError, StreamingClient
-from services.bench.timeline import RequestRecord, parse_sse_line, record_event
+from services.bench.timeline import RequestRecord, parse_sse_line
 from services.bench.workload import Case
+
+TGI = Api()
 
 
 @dataclass
@@ -26,15 +30,7 @@ class LevelRun:
     cpu_pct: dict[str, float] = field(default_factory=dict)
 
 
-def body(case: Case) -> dict:
-    """A greedy TGI request; details for the token count of the final event."""
-    parameters: dict = {"max_new_tokens": case.max_new_tokens, "details": True}
-    if case.grammar is not None:
-        parameters["grammar"] = case.grammar
-    return {"inputs": case.prompt, "parameters": parameters}
-
-
-async def stream_one(client: StreamingClient, case: Case) -> RequestRecord:
+async def stream_one(client: StreamingClient, case: Case, api: Api) -> RequestRecord:
     """Send one request and timestamp every event as it arrives; never raises. The events'
     JSON is decoded by `decode_events` once the level is over: the bench shares the CPU with
     the server it measures."""
@@ -45,7 +41,7 @@ async def stream_one(client: StreamingClient, case: Case) -> RequestRecord:
             record.raw_events.append((line, at))
 
     try:
-        status, error_body = await client.post_stream("/generate_stream", body(case), on_line)
+        status, error_body = await client.post_stream(api.path, api.body(case), on_line)
         if status != 200:
             record.error = f"HTTP {status}: {error_body.decode(errors='replace')[:200]}"
     except (TimeoutError, HTTPError, ValueError) as exc:
@@ -55,13 +51,13 @@ async def stream_one(client: StreamingClient, case: Case) -> RequestRecord:
     return record
 
 
-def decode_events(records: list[RequestRecord]) -> None:
+def decode_events(records: list[RequestRecord], api: Api) -> None:
     """Turn each record's raw `data:` lines into its events (an error event marks it failed)."""
     for record in records:
         for line, at in record.raw_events:
             payload = parse_sse_line(line.decode())
             if payload is not None:
-                record_event(record, payload, at)
+                api.record(record, payload, at)
         record.raw_events.clear()
 
 
@@ -71,6 +67,7 @@ async def run_closed_loop(
     concurrency: int,
     on_done: Callable[[], None] = lambda: None,
     timeout_s: float = 600.0,
+    api: Api = TGI,
 ) -> LevelRun:
     """Keep `concurrency` requests in flight until every case is answered: each of
     `concurrency` senders takes the next case as soon as its previous one ends."""
@@ -79,7 +76,7 @@ async def run_closed_loop(
 
     async def sender() -> None:
         for i in next_index:  # shared iterator: asyncio runs one sender at a time
-            records[i] = await stream_one(client, cases[i])
+            records[i] = await stream_one(client, cases[i], api)
             on_done()
 
     client = StreamingClient(url, timeout_s)
@@ -90,7 +87,7 @@ async def run_closed_loop(
     finally:
         client.close()
     done = [r for r in records if r is not None]
-    decode_events(done)
+    decode_events(done, api)
     return LevelRun("concurrency", concurrency, done, wall_s)
 
 
@@ -101,13 +98,14 @@ async def run_open_loop(
     send_times: list[float],
     on_done: Callable[[], None] = lambda: None,
     timeout_s: float = 600.0,
+    api: Api = TGI,
 ) -> LevelRun:
     """Send case i at `send_times[i]` seconds after the start (Poisson arrivals from
     services.bench.arrivals), however many are still in flight."""
 
     async def timed(case: Case, at: float) -> RequestRecord:
         await asyncio.sleep(max(0.0, started + at - time.perf_counter()))
-        record = await stream_one(client, case)
+        record = await stream_one(client, case, api)
         on_done()
         return record
 
@@ -120,5 +118,5 @@ async def run_open_loop(
         wall_s = time.perf_counter() - started
     finally:
         client.close()
-    decode_events(list(records))
+    decode_events(list(records), api)
     return LevelRun("rate", rate, list(records), wall_s)

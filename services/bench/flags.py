@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from services.bench.apis import APIS
 from services.bench.random_model import SHAPES
 from services.bench.workload import parse_range
 
@@ -44,6 +45,13 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
         "~/.cache/textgen/random-models (no download)",
     )
     parser.add_argument("--url", help="a running server; default: launch one")
+    parser.add_argument(
+        "--api",
+        choices=APIS,
+        default="tgi",
+        help="tgi: /generate_stream; openai: streamed /v1/completions with ignore_eos and the "
+        "usage chunk, against any OpenAI-compatible server (vLLM, textgen, ...)",
+    )
     parser.add_argument(
         "--num-requests", type=int, default=32, help="requests per level (default 32)"
     )

@@ -76,16 +76,17 @@ def build_workload(
 
 def run_levels(served: Served, cases: list[Case], args: argparse.Namespace) -> list[LevelRun]:
     show = not args.no_progress
-    url = served.url
+    url, api = served.url, served.api
     runs = []
-    aio.run(run_closed_loop(url, cases[:2], 2))  # warm-up, not reported
+    aio.run(run_closed_loop(url, cases[:2], 2, api=api))  # warm-up, not reported
     for level in concurrency_levels(args):
         runs.append(closed_level(served, cases, level, f"c={level}", show))
     for rate in args.request_rate or []:
         bar = Progress(f"rate={rate:g}/s", len(cases)) if show else None
         send_times = poisson_arrivals(len(cases), rate, args.seed)
         on_done = bar.advance if bar else lambda: None
-        runs.append(_measured(served, run_open_loop(url, cases, rate, send_times, on_done)))
+        sweep = run_open_loop(url, cases, rate, send_times, on_done, api=api)
+        runs.append(_measured(served, sweep))
         if bar:
             bar.close()
     return runs
@@ -96,7 +97,8 @@ def closed_level(
 ) -> LevelRun:
     bar = Progress(label, len(cases)) if show else None
     on_done = bar.advance if bar else lambda: None
-    run = _measured(served, run_closed_loop(served.url, cases, concurrency, on_done))
+    level = run_closed_loop(served.url, cases, concurrency, on_done, api=served.api)
+    run = _measured(served, level)
     if bar:
         bar.close()
     return run
@@ -227,6 +229,11 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return f"--constrained-share must be between 0 and 1, got {args.constrained_share}"
     if args.constrained_share and args.request_rate:
         return "--constrained-share compares closed-loop levels: drop --request-rate"
+    if args.api == "openai" and (args.compare_transformers or args.constrained_share):
+        return (
+            "--api openai reads no token ids nor grammars: drop --compare-transformers and "
+            "--constrained-share"
+        )
     if args.rounds < 1:
         return f"--rounds must be at least 1, got {args.rounds}"
     if args.rounds > 1:
@@ -260,7 +267,9 @@ def run(args: argparse.Namespace) -> int:
         args.launch_arg = [*args.launch_arg, "--speculate", str(args.speculate)]
     inprocess_baseline: dict[str, Any] = {}
     rounds: list[dict[str, Any]] = []
-    with server(args.url, str(model_dir), args.launch_arg, placement=args.placement) as served:
+    with server(
+        args.url, str(model_dir), args.launch_arg, placement=args.placement, api=args.api
+    ) as served:
         dtype = served_dtype(served.url) or "float32"
         runs = run_levels(served, cases, args) if not args.constrained_share else []
         if args.constrained_share:
@@ -269,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
             def level(level_cases: list[Case], concurrency: int, label: str) -> LevelRun:
                 return closed_level(served, level_cases, concurrency, label, show)
 
-            aio.run(run_closed_loop(served.url, cases[:2], 2))  # warm-up, not reported
+            aio.run(run_closed_loop(served.url, cases[:2], 2, api=served.api))  # warm-up
             constrained = compare_constrained(
                 cases, args.constrained_share, level, concurrency_levels(args), model_dir
             )

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from services.bench.apis import Api, served_api
 from services.bench.placement import Placement
 from shared.net import free_port
 
@@ -50,6 +51,7 @@ class Served:
     url: str  # base URL to load
     pid: int | None  # the launched `textgen launch` process (None: a server given by --url)
     placement: Placement = field(default_factory=Placement)  # where its load generator runs
+    api: Api = field(default_factory=Api)  # what the requests look like (--api)
 
 
 @contextmanager
@@ -59,13 +61,16 @@ def server(
     extra_args: Sequence[str] = (),
     timeout_s: float = 600.0,
     placement: Placement | None = None,
+    api: str = "tgi",
 ) -> Iterator[Served]:
     """The server to load: `url` as given, else a launched one (`textgen launch` with
-    `extra_args` added, and --worker-cpus when `placement` splits the CPUs)."""
+    `extra_args` added, and --worker-cpus when `placement` splits the CPUs), loaded through
+    `api` (services/bench/apis.py)."""
     placement = placement or Placement()
     if url is not None:
+        url = url.rstrip("/")
         wait_healthy(url, None, 30.0)
-        yield Served(url.rstrip("/"), None, placement)
+        yield Served(url, None, placement, served_api(api, url))
         return
     port = free_port()
     argv = [sys.executable, "-m", "services.launcher.cli", "launch", "--model-id", model_id]
@@ -75,7 +80,7 @@ def server(
     try:
         launched = f"http://127.0.0.1:{port}"
         wait_healthy(launched, process, timeout_s)
-        yield Served(launched, process.pid, placement)
+        yield Served(launched, process.pid, placement, served_api(api, launched))
     finally:
         process.terminate()
         try:

@@ -21,11 +21,16 @@ class RequestRecord:
     error: str | None = None  # transport error, HTTP status or error event; None when it worked
     # `data:` lines with their arrival times, as received; decoded into events after the level
     raw_events: list[tuple[bytes, float]] = field(default_factory=list)
+    reported_tokens: int | None = None  # OpenAI streams: the usage chunk's completion_tokens
 
     @property
     def num_tokens(self) -> int:
         """Generated tokens: the final event's details.generated_tokens when present (a
-        tokenless finish repeats the last token event), else the number of token events."""
+        tokenless finish repeats the last token event), else the number of token events. An
+        OpenAI stream's usage count when it gave one (a chunk may carry several tokens, or
+        none while a character is incomplete)."""
+        if self.reported_tokens is not None and self.token_times:
+            return self.reported_tokens
         if self.events:
             details = self.events[-1].get("details") or {}
             if "generated_tokens" in details:
@@ -53,7 +58,8 @@ class RequestRecord:
 
     @property
     def itls_s(self) -> list[float]:
-        """Inter-token latencies: gaps between consecutive token events (num_tokens - 1)."""
+        """Inter-token latencies: gaps between consecutive token events (num_tokens - 1; for
+        an OpenAI stream, between its chunks)."""
         times = self.token_times[: self.num_tokens]
         return [b - a for a, b in zip(times, times[1:])]
 
@@ -68,7 +74,8 @@ class RequestRecord:
         """Time per output token after the first; None for one-token answers."""
         if self.num_tokens < 2:
             return None
-        return (self.token_times[self.num_tokens - 1] - self.token_times[0]) / (self.num_tokens - 1)
+        times = self.token_times[: self.num_tokens]
+        return (times[-1] - times[0]) / (self.num_tokens - 1)
 
 
 def parse_sse_line(line: str) -> dict | None:
@@ -76,7 +83,8 @@ def parse_sse_line(line: str) -> dict | None:
     are `:`) and other fields."""
     if not line.startswith("data:"):
         return None
-    return json.loads(line[len("data:") :].strip())
+    data = line[len("data:") :].strip()
+    return None if data == "[DONE]" else json.loads(data)
 
 
 def record_event(record: RequestRecord, payload: dict, at: float) -> None:

@@ -112,3 +112,18 @@ def test_constrained_share_marks_an_even_spread():
     cases = with_constraints([Case("x", 4)] * 4, 0.25)
     assert [case.grammar is not None for case in cases] == [True, False, False, False]
     assert main(["bench", "--model-id", "x", "--constrained-share", "2"]) == 2
+
+
+@pytest.mark.integration
+def test_api_openai_drives_the_completions_route(stories_model):
+    """--api openai: streamed /v1/completions with ignore_eos, so every request runs to its
+    max_tokens and the usage chunk's count is what the report adds up."""
+    argv = [sys.executable, "-m", "services.launcher.cli", "bench", "--model-id"]
+    argv += [str(stories_model), "--num-requests", "6", "--concurrency", "3", "--json"]
+    argv += ["--input-len-range", "16:32", "--output-len-range", "24:24", "--no-progress"]
+    argv += ["--api", "openai"]
+    result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (level,) = json.loads(result.stdout)["levels"]
+    assert level["num_completed"] == 6 and level["output_tokens"] == 6 * 24
+    assert level["ttft"]["count"] == 6 and level["itl"]["count"] > 0

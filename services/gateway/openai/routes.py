@@ -149,6 +149,7 @@ async def admit_openai(
     choice_params: list[GenerateParameters],
     extra: OpenAISampling,
     arrived_at: float,
+    ignore_eos: bool = False,
 ) -> Admitted:
     """The request through the one admission path (services/gateway/pipeline/admission.py); a chat
     prompt without added special tokens (its template wrote them)."""
@@ -160,6 +161,7 @@ async def admit_openai(
         add_special_tokens=route != "chat",
         sampling_overrides=dataclasses.asdict(extra),
         response_id=meta.id,
+        ignore_eos=ignore_eos,
     )
     num = len(admitted.generations)
     state.metrics.openai_generations.labels(route).observe(num)
@@ -239,7 +241,7 @@ async def answer_chat(
         )
         params = fanout.choice_parameters(chat_parameters(body))
         admitted = await admit_openai(
-            state, "chat", meta, fanout, [prompt], params, extra, arrived_at
+            state, "chat", meta, fanout, [prompt], params, extra, arrived_at, body.ignore_eos
         )
     generations, held = admitted.generations, admitted.held
     stop, has_logprobs = generations[0].params.stop, bool(body.logprobs)
@@ -302,7 +304,7 @@ async def answer_completions(
         )
         params = fanout.choice_parameters(completion_parameters(body))
         admitted = await admit_openai(
-            state, "completions", meta, fanout, prompts, params, extra, arrived_at
+            state, "completions", meta, fanout, prompts, params, extra, arrived_at, body.ignore_eos
         )
     generations, held = admitted.generations, admitted.held
     num_characters = sum(len(prompt) for prompt in prompts)

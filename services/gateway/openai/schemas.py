@@ -100,6 +100,7 @@ class StructuredOutputs(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
+    ignore_eos: bool = False  # vLLM's: generate until max_tokens whatever the model says
 
     def guided(self) -> dict[str, Any]:
         return {

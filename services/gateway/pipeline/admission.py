@@ -75,10 +75,12 @@ async def admit(
     add_special_tokens: bool = True,
     sampling_overrides: dict[str, Any] | None = None,
     response_id: str = "",
+    ignore_eos: bool = False,
 ) -> Admitted:
     """One generation per prompt and entry of `choice_params`; raises GatewayError (the slots
     taken are given back). `add_special_tokens`: False for chat prompts, whose template wrote
-    them; `sampling_overrides`: SamplingParams fields a dialect sets beyond TGI's parameters."""
+    them; `sampling_overrides`: SamplingParams fields a dialect sets beyond TGI's parameters;
+    `ignore_eos`: generate until max_new_tokens (vLLM's extension, for benchmarks)."""
     held = state.admission.hold(len(prompts) * len(choice_params))
     try:
         generations: list[Prepared] = []
@@ -87,6 +89,8 @@ async def admit(
                 overridden(validate_parameters(params, prompt, state.limits), sampling_overrides)
                 for params in choice_params
             ]
+            if ignore_eos:
+                validated = [dataclasses.replace(v, ignore_eos=True) for v in validated]
             first = await prepare(
                 state, prompt, validated[0], arrived_at, add_special_tokens, response_id
             )

@@ -163,7 +163,9 @@ class Generator:
             request_id=request_id,
             input_ids=prepared.input_ids,
             sampling=prepared.params.sampling,
-            stopping=StoppingParams(max_new_tokens=prepared.max_new_tokens),
+            stopping=StoppingParams(
+                max_new_tokens=prepared.max_new_tokens, ignore_eos=prepared.params.ignore_eos
+            ),
             reply_to=self.router.channel,
             created_at=created_at,
             deadline=created_at + self.request_timeout,

@@ -45,6 +45,7 @@ class ValidatedParameters:
     has_decoder_input_details: bool
     return_full_text: bool | None  # None: the route's default
     priority: int = 0  # request lane: > 0 high, 0 normal, < 0 low
+    ignore_eos: bool = False  # vLLM's extension on the OpenAI routes: run to max_new_tokens
 
     @property
     def reported_seed(self) -> int | None:
