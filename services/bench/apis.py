@@ -4,8 +4,9 @@
   the final event's details give the token count.
 - `openai`: `POST /v1/completions`, streamed, greedy, `ignore_eos` (vLLM's extension, which
   textgen honours too), `stream_options.include_usage`: any OpenAI-compatible server (vLLM,
-  textgen, ...). A chunk with text is a token event (its arrival times give TTFT and ITL, as
-  third-party benchmark clients measure them); the usage chunk gives the token count.
+  textgen, ...). A chunk is a token event, its text possibly empty (both servers send a chunk
+  per token; arrival times give TTFT and ITL as third-party benchmark clients measure them);
+  the usage chunk gives the token count.
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ class Api:
         if usage:
             record.reported_tokens = int(usage.get("completion_tokens", 0))
         for choice in payload.get("choices") or []:
-            if choice.get("text"):
-                record.event_times.append(at)
-                record.events.append({"token": {"id": -1, "text": choice["text"]}})
+            if choice.get("finish_reason") and not choice.get("text"):
+                continue  # a finish after the last token (textgen sends one), not a token
+            record.event_times.append(at)
+            record.events.append({"token": {"id": -1, "text": choice.get("text", "")}})
 
 
 def served_api(name: str, url: str) -> Api:

@@ -54,7 +54,7 @@ class Engine:
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_memory: int | None = None,
-        max_batch_prefill_tokens: int = 4096,
+        max_batch_prefill_tokens: int | None = None,
         max_batch_size: int = 256,
         enable_prefix_caching: bool = True,
         steps_in_flight: int = 2,

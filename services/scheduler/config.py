@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.messages import WorkerReady
+from shared.settings import step_tokens
 
 
 @dataclass(frozen=True)
@@ -21,17 +22,18 @@ class SchedulerConfig:
     def for_worker(
         cls,
         ready: WorkerReady,
-        max_batch_prefill_tokens: int,
+        max_batch_prefill_tokens: int | None,
         max_batch_size: int,
         enable_prefix_caching: bool = True,
     ) -> SchedulerConfig:
         """The policy for a worker group as it announced itself (the scheduler service and
         the in-process engine both plan with this): its blocks, a watermark of 1% of them,
-        prefix caching only where attention reads the paged cache."""
+        prefix caching only where attention reads the paged cache; the step budget given, or
+        the device's default."""
         return cls(
             num_blocks=ready.num_blocks,
             block_size=ready.block_size,
-            max_batch_prefill_tokens=max_batch_prefill_tokens,
+            max_batch_prefill_tokens=step_tokens(max_batch_prefill_tokens, ready.device),
             max_batch_size=min(max_batch_size, ready.max_batch_size),
             watermark_blocks=max(1, ready.num_blocks // 100),
             enable_prefix_caching=enable_prefix_caching and ready.runner == "paged",

@@ -23,26 +23,28 @@ def test_request_bodies():
 
 
 def test_openai_stream_to_a_record():
-    """Chunks with text are token events; the usage chunk gives the count (here 5 tokens in
-    4 chunks: one chunk carried two); [DONE] and empty chunks are no events."""
+    """Every chunk of a choice is a token event, empty text included (a token whose text is
+    held back); a finish chunk without text is not; the usage chunk gives the count (6 tokens
+    in 5 chunks here: one carried two); [DONE] is no event."""
     api, record = Api("openai", "m"), RequestRecord(sent_at=0.0)
     lines = [
         'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}], "usage": null}',
         'data: {"choices": [{"index": 0, "text": "", "finish_reason": null}]}',
         'data: {"choices": [{"index": 0, "text": "bc", "finish_reason": null}]}',
         'data: {"choices": [{"index": 0, "text": "d", "finish_reason": null}]}',
-        'data: {"choices": [{"index": 0, "text": "e", "finish_reason": "length"}]}',
-        'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}',
+        'data: {"choices": [{"index": 0, "text": "e", "finish_reason": null}]}',
+        'data: {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}',
+        'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 6}}',
         "data: [DONE]",
     ]
     for at, line in enumerate(lines, start=1):
         payload = parse_sse_line(line)
         if payload is not None:
             api.record(record, payload, float(at))
-    assert record.token_times == [1.0, 3.0, 4.0, 5.0]
-    assert record.num_tokens == 5 and record.is_ok
-    assert record.ttft_s == 1.0 and record.itls_s == [2.0, 1.0, 1.0]
-    assert record.tpot_s == (5.0 - 1.0) / 4
+    assert record.token_times == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert record.num_tokens == 6 and record.is_ok
+    assert record.ttft_s == 1.0 and record.itls_s == [1.0, 1.0, 1.0, 1.0]
+    assert record.tpot_s == (5.0 - 1.0) / 5
     failed = RequestRecord(sent_at=0.0)
     api.record(failed, {"error": {"message": "boom", "type": "server_error"}}, 1.0)
     assert failed.error == "boom" and not failed.is_ok

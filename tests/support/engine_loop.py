@@ -32,7 +32,7 @@ class EngineLoop(Engine):
         loaded: LoadedModel,
         num_blocks: int,
         block_size: int = 16,
-        max_batch_prefill_tokens: int = 4096,
+        max_batch_prefill_tokens: int | None = None,
         max_batch_size: int = 256,
         steps_in_flight: int = 2,
     ) -> None:

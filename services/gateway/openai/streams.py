@@ -85,8 +85,8 @@ async def chat_events(
             deltas = reader.push(text)
             if choice.finished:
                 deltas += reader.finish()
-            if not deltas and (choice.finished or tokens):
-                deltas = [{}]
+            if not deltas and (choice.finished or tokens or reader.plan.mode == "none"):
+                deltas = [{"content": ""} if not choice.finished else {}]  # a chunk per token
             for number, delta in enumerate(deltas):
                 is_last = number == len(deltas) - 1
                 yield sse(
@@ -136,8 +136,9 @@ async def completion_events(
             if logprobs is not None and choice.tokens:
                 chosen = completion_logprobs(choice.tokens, offsets[index])
                 offsets[index] += sum(len(visible_text(t)) for t in choice.tokens)
-            if text or choice.finished or chosen:
-                yield sse(completion_chunk(envelope, index, text, chosen, choice.finished))
+            # a chunk per token, its text empty while held back (as vLLM streams): clients
+            # time tokens by chunks
+            yield sse(completion_chunk(envelope, index, text, chosen, choice.finished))
             if choice.finished:
                 ended[index] = choice.finished
         if envelope.has_usage_chunk:

@@ -19,6 +19,7 @@ from services.gateway.tgi.schemas import TokenizeBody
 from shared.bus import as_bytes
 from shared.codec import decode as decode_message
 from shared.messages import Heartbeat, WorkerReady
+from shared.settings import step_tokens
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -104,7 +105,11 @@ async def info(request: Request) -> JSONResponse:
             # 2.x fields, still read by some dashboards
             "max_input_length": limits.max_input_tokens,
             "max_batch_total_tokens": settings.max_batch_total_tokens,
-            "max_batch_prefill_tokens": settings.max_batch_prefill_tokens,
+            "max_batch_prefill_tokens": step_tokens(
+                settings.max_batch_prefill_tokens, worker.device if worker else "cpu"
+            )
+            if worker or settings.max_batch_prefill_tokens
+            else None,
             "max_waiting_tokens": settings.max_waiting_tokens,
             "max_batch_size": settings.max_batch_size,
             "waiting_served_ratio": settings.waiting_served_ratio,
