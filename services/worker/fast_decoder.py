@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker import kernels
+from services.worker.dense_prefill import AttentionSplit, attend_dense
 from services.worker.kv_cache import PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class StepTables:
     context_lens: torch.Tensor  # [num_requests] int64 keys cached per request after the step
     block_tables: torch.Tensor  # [num_requests, max_blocks] int64 block ids, padded with 0
     slot_mapping: torch.Tensor  # [num_tokens] int64 cache slot of each packed token
+    split: AttentionSplit  # chunks that attend densely, and the kernel's tables for the rest
 
     @classmethod
     def build(
@@ -65,11 +67,13 @@ class StepTables:
         slot_mapping: torch.Tensor,
     ) -> StepTables:
         table, max_blocks = PagedKVCache.padded_block_tables(block_tables, context_lens, block_size)
+        tables = torch.tensor(table, dtype=torch.int64).view(len(context_lens), -1)
         return cls(
             query_start=torch.tensor(query_start, dtype=torch.int64),
             context_lens=torch.tensor(context_lens, dtype=torch.int64),
-            block_tables=torch.tensor(table, dtype=torch.int64).view(len(context_lens), -1),
+            block_tables=tables,
             slot_mapping=slot_mapping,
+            split=AttentionSplit.of(query_start, context_lens, tables),
         )
 
 
@@ -176,6 +180,51 @@ class FastDecoder:
         if head.weight.data_ptr() != self.embed.data_ptr():  # untied: release the copy
             head.weight = torch.nn.Parameter(head.weight.new_empty(0), requires_grad=False)
 
+    def _attend(
+        self,
+        qkv: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        tables: StepTables,
+        layer: Layer,
+        block_size: int,
+    ) -> torch.Tensor:
+        """Causal attention of every row: whole-context prompt chunks densely
+        (dense_prefill.py), the others with the paged kernel. [num_tokens, heads * head_dim]"""
+        split, ops = tables.split, self.ops
+        window = layer.sliding_window
+        if not split.dense or (window is not None and split.longest_dense > window):
+            return ops.paged_attention(
+                qkv,
+                k_cache,
+                v_cache,
+                tables.query_start,
+                tables.context_lens,
+                tables.block_tables,
+                block_size,
+                self.num_heads,
+                layer.scaling,
+                window,
+            )
+        _slots, num_kv_heads, head_dim = k_cache.shape
+        out = qkv.new_empty(qkv.shape[0], self.num_heads * head_dim)
+        attend_dense(qkv, out, split.dense, self.num_heads, num_kv_heads, head_dim, layer.scaling)
+        if split.paged_rows is not None and len(split.paged_rows):
+            paged = ops.paged_attention(
+                qkv.index_select(0, split.paged_rows),
+                k_cache,
+                v_cache,
+                split.query_start,
+                split.context_lens,
+                split.block_tables,
+                block_size,
+                self.num_heads,
+                layer.scaling,
+                window,
+            )
+            out.index_copy_(0, split.paged_rows, paged)
+        return out
+
     def _layer(self, layer: Any, config: Any) -> Layer:
         attention, mlp = layer.self_attn, layer.mlp
         if hasattr(attention, "sliding_window"):
@@ -215,18 +264,7 @@ class FastDecoder:
             ops.rope_store(
                 qkv, cos, sin, k_cache, v_cache, tables.slot_mapping, self.num_heads, block_size
             )
-            attended = ops.paged_attention(
-                qkv,
-                k_cache,
-                v_cache,
-                tables.query_start,
-                tables.context_lens,
-                tables.block_tables,
-                block_size,
-                self.num_heads,
-                layer.scaling,
-                layer.sliding_window,
-            )  # [num_tokens, num_heads * head_dim]
+            attended = self._attend(qkv, k_cache, v_cache, tables, layer, block_size)
             x = ops.rms_norm(layer.o(attended), layer.post_norm, self.eps, residual=residual)
             mlp_out = layer.down(ops.silu_mul(layer.gate_up(x)))
             if index + 1 < len(self.layers):

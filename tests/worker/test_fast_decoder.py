@@ -40,10 +40,12 @@ def test_llama_runs_on_the_fast_decoder_unless_disabled(llama_folder):
     assert generic.kernels is None and runner.kernels is None  # greedy sampling skips them too
 
 
-def logits_of_steps(loaded, prompts: list[list[int]], max_new_tokens: int) -> list[torch.Tensor]:
+def logits_of_steps(
+    loaded, prompts: list[list[int]], max_new_tokens: int, budget: int = 24
+) -> list[torch.Tensor]:
     """The logits every step samples from, for requests joining a running batch with chunked
-    prefill."""
-    engine = EngineLoop(loaded, num_blocks=64, max_batch_prefill_tokens=24)
+    prefill (`budget` tokens per step)."""
+    engine = EngineLoop(loaded, num_blocks=64, max_batch_prefill_tokens=budget)
     seen: list[torch.Tensor] = []
     forward = engine.runner._forward
     engine.runner._forward = lambda batch: seen.append(forward(batch).float()) or seen[-1]
@@ -78,6 +80,34 @@ def test_fast_logits_equal_the_generic_paths_in_bfloat16(llama_folder):
     torch.testing.assert_close(fast, expected, rtol=0, atol=0.05 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_whole_prompt_chunks_attend_densely_with_equal_logits(llama_folder, dtype):
+    """Prompts of 64 tokens and more that fit one step attend with torch's fused attention
+    (services/worker/dense_prefill.py); the requests decoding beside them stay on the kernel,
+    with tables of their own. The logits equal the generic path's."""
+    from services.worker.dense_prefill import DENSE_MIN_QUERIES, AttentionSplit
+
+    prompts = [[1, *range(5, 5 + n)] for n in (3, 9, 70, 100)]
+    assert all(len(p) < DENSE_MIN_QUERIES for p in prompts[:2])
+    # two decodes, a chunk after a cached prefix (71 queries, 73 keys), a whole prompt of 101
+    split = AttentionSplit.of([0, 1, 2, 73, 174], [20, 30, 73, 101], torch.zeros(4, 2).long())
+    assert split.dense == [(73, 174)] and split.paged_rows.tolist() == list(range(73))
+    assert split.query_start.tolist() == [0, 1, 2, 73] and split.context_lens.tolist() == [
+        20,
+        30,
+        73,
+    ]
+    fast = logits_of_steps(load_model(str(llama_folder), dtype=dtype), prompts, 4, budget=256)
+    generic = load_model(str(llama_folder), dtype=dtype, cpu_kernels=False)
+    expected = logits_of_steps(generic, prompts, 4, budget=256)
+    assert len(fast) == len(expected) >= 4
+    for got, want in zip(fast, expected, strict=True):
+        if dtype == "float32":
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        else:
+            torch.testing.assert_close(got, want, rtol=0, atol=0.05 * want.abs().max().item())
+
+
 def mistral_with_window(vocab_size: int):
     config = PAGED["mistral"](vocab_size)
     config.sliding_window = 12  # shorter than the prompts
@@ -90,8 +120,8 @@ def test_sliding_window_matches_transformers(tmp_path):
     loaded = load_model(str(folder))
     assert loaded.decoder is not None and loaded.decoder.layers[0].sliding_window == 12
     reference = T.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
-    prompts = [[1, *range(5, 5 + n)] for n in (30, 50)]
-    engine = EngineLoop(loaded, num_blocks=64, max_batch_prefill_tokens=32)
+    prompts = [[1, *range(5, 5 + n)] for n in (30, 50, 80)]
+    engine = EngineLoop(loaded, num_blocks=64, max_batch_prefill_tokens=96)
     requests = [make_request(ids, 10) for ids in prompts]
     for request in requests:
         engine.add(request)
