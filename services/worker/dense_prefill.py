@@ -1,13 +1,19 @@
-"""Prompt chunks that are their request's whole context attend with torch's fused attention.
+"""Prompt chunks of 64 tokens or more attend with torch's fused attention.
 
 The paged attention kernel (services/worker/kernels) walks a request's cached blocks query by
 query: right for decodes and short chunks, slow for a long prompt, whose cost grows with the
 square of its length (a 1024-token prompt of SmolLM2-135M spent ~500 of its 727 ms there, on
-2 cores in bfloat16, against 229 ms of matmuls). A chunk that starts its request (no cached
-prefix: its queries, keys and values are all in this step's qkv rows, rotated) needs no cache
-at all: `scaled_dot_product_attention` with a causal mask computes it as blocked matmuls
-(oneDNN / flash attention for CPUs). The rest of the step (decodes, continued chunks, prefix
-cache hits) goes to the kernel with its own tables.
+2 cores in bfloat16, against 229 ms of matmuls). `scaled_dot_product_attention` on 4-D inputs
+computes it as blocked matmuls (flash attention for CPUs):
+
+- a chunk that is its request's whole context reads its rotated keys and values straight from
+  this step's qkv rows, with a causal mask;
+- a chunk after cached tokens (the next chunk of a long prompt, a prefix-cache hit) reads
+  every key and value of its request from the paged cache (the step's were written by
+  rope_store), in the fast decoder's block layout (cpu_kernels.c), with the causal mask
+  shifted by the cached length.
+
+Decodes and short chunks go to the kernel with tables of their own.
 """
 
 from __future__ import annotations
@@ -24,15 +30,17 @@ DENSE_MIN_QUERIES = 64  # shorter chunks are cheap for the kernel
 class AttentionSplit:
     """Which requests of a step attend densely, and the tables of the others."""
 
-    dense: list[tuple[int, int]]  # (first row, end row) of each dense chunk
+    dense: list[tuple[int, int, int, int]]  # (first row, end row, keys, request) per dense chunk
     paged_rows: torch.Tensor | None  # [n] int64 rows the kernel attends; None: every row
     query_start: torch.Tensor  # the kernel's tables over paged_rows (the step's when all)
     context_lens: torch.Tensor
     block_tables: torch.Tensor
+    all_block_tables: torch.Tensor | None = None  # the step's, for dense chunks after a prefix
 
     @property
     def longest_dense(self) -> int:
-        return max((end - start for start, end in self.dense), default=0)
+        """The most keys a dense chunk attends."""
+        return max((keys for _, _, keys, _ in self.dense), default=0)
 
     @classmethod
     def of(
@@ -44,8 +52,8 @@ class AttentionSplit:
         dense, paged = [], []
         for index, context_len in enumerate(context_lens):
             start, end = query_start[index], query_start[index + 1]
-            if end - start == context_len and context_len >= DENSE_MIN_QUERIES:
-                dense.append((start, end))
+            if end - start >= DENSE_MIN_QUERIES:
+                dense.append((start, end, context_len, index))
             else:
                 paged.append(index)
         starts = torch.tensor(query_start, dtype=torch.int64)
@@ -64,34 +72,64 @@ class AttentionSplit:
             torch.tensor(offsets, dtype=torch.int64),
             lens.index_select(0, chosen),
             block_tables.index_select(0, chosen),
+            block_tables,
         )
 
 
 def attend_dense(
     qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], rotated
     out: torch.Tensor,  # [num_tokens, num_heads * head_dim], written for the dense rows
-    dense: list[tuple[int, int]],
+    split: AttentionSplit,
+    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim] storage, block layout
+    v_cache: torch.Tensor,
+    block_size: int,
     num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
     scale: float,
 ) -> None:
-    """Causal attention of each dense chunk over itself."""
+    """Causal attention of each dense chunk over its request's keys."""
+    _slots, num_kv_heads, head_dim = k_cache.shape
     q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
-    for start, end in dense:
+    for start, end, num_keys, request in split.dense:
         rows = qkv[start:end]
         length = end - start
         q = rows[:, :q_width].view(length, num_heads, head_dim).transpose(0, 1)
-        k = rows[:, q_width : q_width + kv_width].view(length, num_kv_heads, head_dim)
-        v = rows[:, q_width + kv_width : q_width + 2 * kv_width].view(
-            length, num_kv_heads, head_dim
-        )
+        if num_keys == length:  # the whole context is in this step's rows
+            k = rows[:, q_width : q_width + kv_width].view(length, num_kv_heads, head_dim)
+            v = rows[:, q_width + kv_width : q_width + 2 * kv_width]
+            k, v = k.transpose(0, 1), v.view(length, num_kv_heads, head_dim).transpose(0, 1)
+            mask = None
+        else:
+            assert split.all_block_tables is not None
+            k, v = cached_keys_values(
+                k_cache, v_cache, split.all_block_tables[request], num_keys, block_size
+            )
+            mask = torch.ones(length, num_keys, dtype=torch.bool).tril(num_keys - length)
         attended = F.scaled_dot_product_attention(  # 4-D: CPUs get the fused (flash) kernel
             q[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            is_causal=True,
+            k[None],
+            v[None],
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=num_kv_heads != num_heads,
         )  # [1, num_heads, length, head_dim]
         out[start:end] = attended[0].transpose(0, 1).reshape(length, q_width)
+
+
+def cached_keys_values(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_blocks] int64
+    num_keys: int,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's first `num_keys` keys and values, [num_kv_heads, num_keys, head_dim] each,
+    copied out of the block layout (keys [block, head, dim, offset], values [block, head,
+    offset, dim])."""
+    _slots, num_kv_heads, head_dim = k_cache.shape
+    blocks = block_table[: -(-num_keys // block_size)]
+    keys = k_cache.view(-1, num_kv_heads, head_dim, block_size).index_select(0, blocks)
+    values = v_cache.view(-1, num_kv_heads, block_size, head_dim).index_select(0, blocks)
+    keys = keys.permute(1, 0, 3, 2).reshape(num_kv_heads, -1, head_dim)[:, :num_keys]
+    values = values.permute(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)[:, :num_keys]
+    return keys, values

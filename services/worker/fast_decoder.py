@@ -206,9 +206,9 @@ class FastDecoder:
                 layer.scaling,
                 window,
             )
-        _slots, num_kv_heads, head_dim = k_cache.shape
+        head_dim = k_cache.shape[2]
         out = qkv.new_empty(qkv.shape[0], self.num_heads * head_dim)
-        attend_dense(qkv, out, split.dense, self.num_heads, num_kv_heads, head_dim, layer.scaling)
+        attend_dense(qkv, out, split, k_cache, v_cache, block_size, self.num_heads, layer.scaling)
         if split.paged_rows is not None and len(split.paged_rows):
             paged = ops.paged_attention(
                 qkv.index_select(0, split.paged_rows),
