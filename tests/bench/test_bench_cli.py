@@ -16,6 +16,15 @@ from services.launcher.cli import main
 REPO = Path(__file__).resolve().parents[2]
 
 
+def bench_json(model: Path, *flags: str) -> dict:
+    """`textgen bench --json` on `model` with short prompts and `flags`: its report."""
+    argv = [sys.executable, "-m", "services.launcher.cli", "bench", "--model-id", str(model)]
+    argv += ["--input-len-range", "16:32", "--no-progress", "--json", *flags]
+    result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
 @pytest.mark.integration
 def test_smoke_run_json(stories_model):
     argv = [sys.executable, "-m", "services.launcher.cli", "bench", "--model-id"]
@@ -88,13 +97,8 @@ def test_plot_without_matplotlib_says_how_to_get_it(capsys, stories_model, tmp_p
 
 @pytest.mark.integration
 def test_constrained_share_reports_ratios_and_compile_time(stories_model):
-    argv = [sys.executable, "-m", "services.launcher.cli", "bench", "--model-id"]
-    argv += [str(stories_model), "--num-requests", "8", "--concurrency", "4", "--json"]
-    argv += ["--input-len-range", "16:32", "--output-len-range", "40:40", "--no-progress"]
-    argv += ["--constrained-share", "0.5"]
-    result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout)["constrained"]
+    flags = ["--num-requests", "8", "--concurrency", "4", "--output-len-range", "40:40"]
+    report = bench_json(stories_model, *flags, "--constrained-share", "0.5")["constrained"]
     assert report["share"] == 0.5 and report["compile_ms"] > 0
     (level,) = report["levels"]
     assert level["concurrency"] == 4 and level["num_failed"] == 0
@@ -118,12 +122,7 @@ def test_constrained_share_marks_an_even_spread():
 def test_api_openai_drives_the_completions_route(stories_model):
     """--api openai: streamed /v1/completions with ignore_eos, so every request runs to its
     max_tokens and the usage chunk's count is what the report adds up."""
-    argv = [sys.executable, "-m", "services.launcher.cli", "bench", "--model-id"]
-    argv += [str(stories_model), "--num-requests", "6", "--concurrency", "3", "--json"]
-    argv += ["--input-len-range", "16:32", "--output-len-range", "24:24", "--no-progress"]
-    argv += ["--api", "openai"]
-    result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (level,) = json.loads(result.stdout)["levels"]
+    flags = ["--num-requests", "6", "--concurrency", "3", "--output-len-range", "24:24"]
+    (level,) = bench_json(stories_model, *flags, "--api", "openai")["levels"]
     assert level["num_completed"] == 6 and level["output_tokens"] == 6 * 24
     assert level["ttft"]["count"] == 6 and level["itl"]["count"] > 0

@@ -9,13 +9,15 @@ import time
 import httpx
 import redis.asyncio as aioredis
 
+from services.gateway.pipeline.tokenizer import TextTokenizer
 from shared.channels import Channels
 from shared.codec import decode, encode
 from shared.messages import AbortRequest, Heartbeat, WorkerReady
 from shared.net import free_port
 from shared.settings import Settings
-from tests.gateway.peer import CONTINUATION
+from tests.gateway.peer import CONTINUATION, WorkerPeer
 from tests.support.gateway_server import serve, sse_events
+from tests.support.redis_server import redis_server
 
 
 async def test_generate_details_and_headers(http, peer):
@@ -341,15 +343,26 @@ async def test_deadline_and_stream_disconnect_abort(settings, peer, redis_url, n
         await listener.aclose()
 
 
-async def test_a_full_queue_is_429_and_intake_is_one_round_trip(settings, peer, redis_url):
+async def test_a_full_queue_is_429_and_intake_is_one_round_trip(settings, tokenizer_dir):
     """The queue-length check and the XADD are one script call (they were an XLEN per lane,
-    then the XADD): with --max-queue-length 2, the lanes holding 3 entries refuse the next."""
-    settings = settings.model_copy(update={"max_queue_length": 2})
+    then the XADD): with --max-queue-length 2, the lanes holding 3 entries refuse the next.
+    On a Redis of its own: the command counters are server-wide, and the session's other
+    clusters' schedulers run their intake script on the shared one."""
+    with redis_server() as redis_url:
+        async with WorkerPeer(
+            redis_url, settings.namespace, TextTokenizer.from_folder(tokenizer_dir)
+        ):
+            await count_intake_calls(settings, redis_url)
+
+
+async def count_intake_calls(settings: Settings, redis_url: str) -> None:
+    settings = settings.model_copy(update={"max_queue_length": 2, "redis_url": redis_url})
     client = aioredis.from_url(redis_url)
 
     async def calls(command: str) -> int:
-        stats = await client.info("commandstats")
-        return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+        """Calls that ran (a first EVALSHA on a new server fails with NOSCRIPT)."""
+        stats = (await client.info("commandstats")).get(f"cmdstat_{command}", {})
+        return int(stats.get("calls", 0)) - int(stats.get("failed_calls", 0))
 
     try:
         with serve(settings) as url:
