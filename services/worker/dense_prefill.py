@@ -13,7 +13,8 @@ computes it as blocked matmuls (flash attention for CPUs):
   rope_store), in the fast decoder's block layout (cpu_kernels.c), with the causal mask
   shifted by the cached length.
 
-Decodes and short chunks go to the kernel with tables of their own.
+Decodes and short chunks go to the kernel with tables of their own, and every chunk does
+where torch's fused attention cannot run the model's dtype (`is_supported`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ import torch
 import torch.nn.functional as F
 
 DENSE_MIN_QUERIES = 64  # shorter chunks are cheap for the kernel
+
+
+def is_supported(dtype: torch.dtype) -> bool:
+    """Whether torch's fused CPU attention runs `dtype` here: float32 everywhere; bfloat16
+    only down torch's AVX512 path (on its AVX2 path, ATEN_CPU_CAPABILITY=avx2 included,
+    torch 2.13 raises "pack_vnni2 is only supported when avx512 is supported")."""
+    return dtype == torch.float32 or torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 @dataclass

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.worker import kernels
+from services.worker import dense_prefill, kernels
 from services.worker.dense_prefill import AttentionSplit, attend_dense
 from services.worker.kv_cache import PagedKVCache
 
@@ -175,6 +175,8 @@ class FastDecoder:
             config.num_attention_heads
         )  # the kernels take the KV shape from the cache
         self.layers = [self._layer(layer, config) for layer in decoder.layers]
+        # long prompt chunks attend with torch's fused attention where it runs this dtype
+        self.is_dense_supported = dense_prefill.is_supported(self.embed.dtype)
         self.lm_head = PackedLinear(model.get_output_embeddings().weight.detach())
         head = model.get_output_embeddings()
         if head.weight.data_ptr() != self.embed.data_ptr():  # untied: release the copy
@@ -193,7 +195,8 @@ class FastDecoder:
         (dense_prefill.py), the others with the paged kernel. [num_tokens, heads * head_dim]"""
         split, ops = tables.split, self.ops
         window = layer.sliding_window
-        if not split.dense or (window is not None and split.longest_dense > window):
+        too_wide = window is not None and split.longest_dense > window
+        if not split.dense or too_wide or not self.is_dense_supported:
             return ops.paged_attention(
                 qkv,
                 k_cache,

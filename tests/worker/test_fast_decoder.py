@@ -103,7 +103,9 @@ def test_long_prompt_chunks_attend_densely_with_equal_logits(llama_folder, dtype
     # bfloat16: one token each, so a near-tie broken differently cannot change later inputs
     new_tokens = 4 if dtype == "float32" else 1
     fast = logits_of_steps(load_model(str(llama_folder), dtype=dtype), prompts, new_tokens, 110)
-    assert gathered  # some chunk after cached tokens attended densely
+    # some chunk after cached tokens attended densely, where torch's fused attention runs the
+    # dtype (bfloat16: not down its AVX2 path; the kernel then attends every chunk)
+    assert bool(gathered) == dense_prefill.is_supported(getattr(torch, dtype))
     generic = load_model(str(llama_folder), dtype=dtype, cpu_kernels=False)
     expected = logits_of_steps(generic, prompts, new_tokens, budget=110)
     got, want = torch.cat(fast), torch.cat(expected)
