@@ -336,6 +336,7 @@ class ModelRunner:
                         "finish_reason": reason.value,
                         "num_steps": state.num_steps,
                         "num_generated_tokens": state.num_generated,
+                        "constraint": state.grammar.constraint.kind.value if state.grammar else "",
                     },
                 )
         result = StepResult(step_id=step_id, outputs=outputs, num_accepted_tokens=num_accepted)

@@ -117,12 +117,14 @@ class Generator:
         and the only one), and KeepAlive after `keepalive_s` of silence when asked.
         """
         request_id = uuid.uuid4().hex
+        constraint = prepared.params.sampling.constraint
         span = tracer(__name__).start_span(
             "gateway.generate",
             attributes={
                 "request_id": request_id,
                 "num_input_tokens": len(prepared.input_ids),
                 "response_id": prepared.response_id,
+                "constraint": constraint.kind.value if constraint else "",
             },
         )
         queue = self.router.register(request_id)
