@@ -58,7 +58,15 @@ def test_lanes_order_the_queue(full_cluster):
             await asyncio.gather(blocker, *queued)
 
     asyncio.run(scenario())
-    assert finished == ["blocker", "high", "normal-1", "normal-2", "low"], finished
+    # the lanes' order; the blocker ran first, but its 400-token answer and the next one's
+    # 3 tokens can reach this client in either order (a CI run once saw "high" a few ms first)
+    assert [name for name in finished if name != "blocker"] == [
+        "high",
+        "normal-1",
+        "normal-2",
+        "low",
+    ], finished
+    assert "blocker" in finished[:2], finished
 
 
 def test_queue_wait_deadline_answers_503_and_the_request_never_runs(full_cluster):
