@@ -56,6 +56,8 @@ class AttentionSplit:
         query_start: list[int],
         context_lens: list[int],
         block_tables: torch.Tensor,  # [num_requests, max_blocks] int64
+        starts: torch.Tensor,  # query_start as a tensor (the step's, built once)
+        lens: torch.Tensor,  # context_lens as a tensor
     ) -> AttentionSplit:
         dense, paged = [], []
         for index, context_len in enumerate(context_lens):
@@ -64,8 +66,6 @@ class AttentionSplit:
                 dense.append((start, end, context_len, index))
             else:
                 paged.append(index)
-        starts = torch.tensor(query_start, dtype=torch.int64)
-        lens = torch.tensor(context_lens, dtype=torch.int64)
         if not dense:
             return cls([], None, starts, lens, block_tables)
         rows: list[int] = []

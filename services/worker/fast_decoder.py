@@ -68,12 +68,14 @@ class StepTables:
     ) -> StepTables:
         table, max_blocks = PagedKVCache.padded_block_tables(block_tables, context_lens, block_size)
         tables = torch.tensor(table, dtype=torch.int64).view(len(context_lens), -1)
+        starts = torch.tensor(query_start, dtype=torch.int64)
+        lens = torch.tensor(context_lens, dtype=torch.int64)
         return cls(
-            query_start=torch.tensor(query_start, dtype=torch.int64),
-            context_lens=torch.tensor(context_lens, dtype=torch.int64),
+            query_start=starts,
+            context_lens=lens,
             block_tables=tables,
             slot_mapping=slot_mapping,
-            split=AttentionSplit.of(query_start, context_lens, tables),
+            split=AttentionSplit.of(query_start, context_lens, tables, starts, lens),
         )
 
 

@@ -90,7 +90,10 @@ def test_long_prompt_chunks_attend_densely_with_equal_logits(llama_folder, dtype
     from services.worker.dense_prefill import DENSE_MIN_QUERIES, AttentionSplit
 
     # two decodes, a chunk after 2 cached tokens (71 queries, 73 keys), a whole prompt of 101
-    split = AttentionSplit.of([0, 1, 2, 73, 174], [20, 30, 73, 101], torch.zeros(4, 2).long())
+    starts, lens = [0, 1, 2, 73, 174], [20, 30, 73, 101]
+    split = AttentionSplit.of(
+        starts, lens, torch.zeros(4, 2).long(), torch.tensor(starts), torch.tensor(lens)
+    )
     assert split.dense == [(2, 73, 73, 2), (73, 174, 101, 3)]
     assert split.paged_rows.tolist() == [0, 1] and split.context_lens.tolist() == [20, 30]
     gathered = []
