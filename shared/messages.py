@@ -232,6 +232,9 @@ class WorkerReady(Message):
     runner: str = "paged"  # "paged" KV cache, or "fallback" (per-request caches: no prefix cache)
     attention: str = "sdpa"  # paged runner's kernel: "flash-attn" (CUDA) or "sdpa" (torch's)
     started_at: float = 0.0  # unix s
+    # tokens per step the worker suggests for its speed (services/worker/step_budget.py);
+    # 0: the device's default. --max-batch-prefill-tokens overrides it
+    step_tokens: int = 0
 
 
 class Heartbeat(Message):

@@ -23,19 +23,22 @@ from shared.openmp import parse_cpus
 QUANTIZE_METHODS = ("bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "gptq", "awq")
 
 
-# tokens per step when --max-batch-prefill-tokens is not given: TGI's 4096 on accelerators; on
-# a CPU a step of 4096 prompt tokens takes seconds and every prompt in it waits for its end
-# (SmolLM2-135M, float32, 2 cores, 32 prompts of 128 tokens: TTFT p50 4.48 s at 4096, 1.82 s
-# at 512, the same output throughput)
+# tokens per step when --max-batch-prefill-tokens is not given and the worker suggests none:
+# TGI's 4096 on accelerators; on a CPU a step of 4096 prompt tokens can take seconds and every
+# prompt in it waits for its end (SmolLM2-135M, float32, 2 cores, 32 prompts of 128 tokens:
+# TTFT p50 4.48 s at 4096, 1.82 s at 512, the same output throughput). CPU workers suggest a
+# budget for their measured speed (services/worker/step_budget.py)
 DEFAULT_STEP_TOKENS = {"cpu": 512}
 DEFAULT_ACCELERATOR_STEP_TOKENS = 4096
 
 
-def step_tokens(configured: int | None, device: str) -> int:
-    """The step budget of a worker group on `device` ("cpu", "cuda:0", ...): the flag's, or
-    the device's default."""
+def step_tokens(configured: int | None, device: str, suggested: int = 0) -> int:
+    """The step budget of a worker group on `device` ("cpu", "cuda:0", ...): the flag's, else
+    the one the worker suggested, else the device's default."""
     if configured:
         return configured
+    if suggested:
+        return suggested
     return DEFAULT_STEP_TOKENS.get(device.split(":")[0], DEFAULT_ACCELERATOR_STEP_TOKENS)
 
 
@@ -98,8 +101,8 @@ class Settings(BaseSettings):
     max_batch_prefill_tokens: int | None = Field(
         None,
         description="tokens computed per step (prompt chunks and decodes); default: 4096 on a "
-        "GPU, 512 on a CPU (a CPU computes a 4096-token step for seconds: smaller steps give "
-        "the first prompts their first tokens sooner, at the same throughput)",
+        "GPU; on a CPU the worker's suggestion, the power of two from 512 to 4096 nearest "
+        "below what its matmuls compute in 0.5 s (a prompt waits for its whole step)",
     )
     max_batch_total_tokens: int | None = Field(
         None, description="KV-cache capacity in tokens; default: from the worker's memory budget"

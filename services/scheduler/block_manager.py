@@ -9,11 +9,11 @@ blocks in order; token i of the request lives in slot `block_ids[i // block_size
     block table:     [   7       |    2        |  5  ]
     slots:           28 29 30 31 | 8  9  10 11 | 20 21
 
-Prefix caching: a full, computed block is registered under a hash of its tokens chained with
-the hash of the block before it, so equal hashes mean equal prefixes. Blocks are reference
-counted; a block nobody uses goes to the free list but keeps its contents and hash until it is
-handed out again (least recently freed first), so a later request with the same prefix can
-take it back without computing it.
+Prefix caching: a full block is registered, as soon as a step that computes it is planned,
+under a hash of its tokens chained with the hash of the block before it, so equal hashes mean
+equal prefixes. Blocks are reference counted; a block nobody uses goes to the free list but
+keeps its contents and hash until it is handed out again (least recently freed first), so a
+later request with the same prefix can take it back without computing it.
 """
 
 from __future__ import annotations
@@ -102,9 +102,19 @@ class BlockManager:
             self._ref_counts[block_id] += 1
         return block_ids
 
-    def register(self, block_id: int, block_hash: BlockHash) -> None:
-        """Mark a full, computed block as holding the prefix `block_hash`."""
+    def register(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Mark a full block (computed, or planned in a step) as holding the prefix
+        `block_hash`; False where an equal prefix is cached already or the block is."""
         if block_hash in self._block_of or block_id in self._hash_of:
-            return  # an equal prefix is cached already, or the block is registered
+            return False
         self._block_of[block_hash] = block_id
         self._hash_of[block_id] = block_hash
+        return True
+
+    def forget(self, block_ids: list[int]) -> None:
+        """Drop the blocks' prefixes from the cache (their contents are not what was
+        registered); their references stay."""
+        for block_id in block_ids:
+            block_hash = self._hash_of.pop(block_id, None)
+            if block_hash is not None:
+                del self._block_of[block_hash]

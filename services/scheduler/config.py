@@ -28,12 +28,14 @@ class SchedulerConfig:
     ) -> SchedulerConfig:
         """The policy for a worker group as it announced itself (the scheduler service and
         the in-process engine both plan with this): its blocks, a watermark of 1% of them,
-        prefix caching only where attention reads the paged cache; the step budget given, or
-        the device's default."""
+        prefix caching only where attention reads the paged cache; the step budget given, else
+        the worker's suggestion, else the device's default."""
         return cls(
             num_blocks=ready.num_blocks,
             block_size=ready.block_size,
-            max_batch_prefill_tokens=step_tokens(max_batch_prefill_tokens, ready.device),
+            max_batch_prefill_tokens=step_tokens(
+                max_batch_prefill_tokens, ready.device, ready.step_tokens
+            ),
             max_batch_size=min(max_batch_size, ready.max_batch_size),
             watermark_blocks=max(1, ready.num_blocks // 100),
             enable_prefix_caching=enable_prefix_caching and ready.runner == "paged",

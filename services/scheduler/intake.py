@@ -62,14 +62,16 @@ class RequestIntake:
         for lane in self.channels.lanes:
             await ensure_group(self.redis, lane, SCHEDULER_GROUP)
 
-    async def pull(self, room: int, block: bool) -> list[Taken]:
+    async def pull(self, room: int, block: bool, wait_s: float = 0.0) -> list[Taken]:
         """Up to `room` new requests, the most urgent lanes' first (one round trip); when
-        there are none and `block`, wait on every lane for the next arrival."""
+        there are none, wait on every lane for the next arrival: up to IDLE_BLOCK_MS when
+        `block`, else up to `wait_s` (late planning; under a millisecond: no wait)."""
         entries = await self.lanes.read(room)
-        if not entries and block:
+        block_ms = IDLE_BLOCK_MS if block else int(wait_s * 1000)
+        if not entries and block_ms >= 1:
             lanes: dict[KeyT, StreamIdT] = {lane: ">" for lane in self.channels.lanes}
             reply: Any = await self.redis.xreadgroup(
-                SCHEDULER_GROUP, self.consumer, lanes, count=1, block=IDLE_BLOCK_MS
+                SCHEDULER_GROUP, self.consumer, lanes, count=1, block=block_ms
             )
             entries = [
                 (as_text(lane), entry_id, fields)

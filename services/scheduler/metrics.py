@@ -31,6 +31,17 @@ class SchedulerMetrics:
             buckets=[0.0005 * 1.6**i for i in range(24)],
             registry=r,
         )
+        self.plan_wait = Histogram(
+            "textgen_scheduler_plan_wait_seconds",
+            "late planning: time the next plan waited for arrivals while the worker computed",
+            buckets=[0.0005 * 1.6**i for i in range(20)],
+            registry=r,
+        )
+        self.late_plan_arrivals = Counter(
+            "textgen_scheduler_late_plan_arrivals",
+            "requests that arrived during a late-planning wait (they start a step sooner)",
+            registry=r,
+        )
         self.step_tokens = Histogram(
             "textgen_scheduler_step_tokens",
             "tokens scheduled per step",

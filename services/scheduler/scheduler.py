@@ -49,6 +49,8 @@ class Scheduler:
         self._is_first_plan = True
         # plans awaiting their result: (request_id, samples, tokens computed through the step)
         self._step_requests: dict[int, list[tuple[str, bool, int]]] = {}
+        # plans awaiting their result: the blocks each registered in the prefix cache
+        self._step_blocks: dict[int, list[int]] = {}
 
     # --- inputs --------------------------------------------------------------------------
 
@@ -84,6 +86,7 @@ class Scheduler:
     def update(self, result: StepResult) -> None:
         """Apply the worker's answer to a plan."""
         scheduled = self._step_requests.pop(result.step_id, [])
+        registered = self._step_blocks.pop(result.step_id, [])
         for request_id, samples, _ in scheduled:
             request = self.requests.get(request_id)
             if request is not None and samples:
@@ -95,8 +98,8 @@ class Scheduler:
                 request = self.requests.get(request_id)
                 if request is not None:
                     self._end(request, RequestStatus.FAILED, is_on_worker_done=True)
+            self._forget_blocks(registered, result.error)
             return
-        computed_by_id = {request_id: computed for request_id, _, computed in scheduled}
         for output in result.outputs:
             request = self.requests.get(output.request_id)
             if request is None:
@@ -112,8 +115,6 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING and len(output.token_ids) > 1:
                 # speculation: every token but the last was computed in that forward pass
                 request.num_computed_tokens += len(output.token_ids) - 1
-            if request.status == RequestStatus.RUNNING:  # computed now: shareable
-                self._register_computed_blocks(request, computed_by_id.get(request.request_id, 0))
             if output.finish_reason is not None:
                 self._end(request, RequestStatus.FINISHED, is_on_worker_done=True)
 
@@ -212,15 +213,36 @@ class Scheduler:
         hashes = block_hashes(request.token_ids, self.blocks.block_size, num_full)
         return self.blocks.cached_prefix(hashes)
 
-    def _register_computed_blocks(self, request: SchedRequest, num_computed: int) -> None:
-        """Put the request's full blocks computed by an answered step in the prefix cache."""
-        num_full = min(num_computed, request.num_computed_tokens) // self.blocks.block_size
+    def _register_planned_blocks(self, request: SchedRequest) -> list[int]:
+        """Put the request's full blocks that the step being planned computes in the prefix
+        cache (the blocks registered). A request planned later may take them at once: the
+        worker runs steps in plan order, and within a step writes every token's keys before
+        any attention reads them. vLLM caches blocks at scheduling time too; a long shared
+        prompt is then computed once even when its requests arrive together."""
+        num_full = request.num_computed_tokens // self.blocks.block_size
         if num_full <= request.num_hashed_blocks or not self.config.enable_prefix_caching:
-            return
+            return []
         hashes = block_hashes(request.token_ids, self.blocks.block_size, num_full)
+        registered = []
         for index in range(request.num_hashed_blocks, num_full):
-            self.blocks.register(request.block_ids[index], hashes[index])
+            if self.blocks.register(request.block_ids[index], hashes[index]):
+                registered.append(request.block_ids[index])
         request.num_hashed_blocks = num_full
+        return registered
+
+    def _forget_blocks(self, block_ids: list[int], error: str) -> None:
+        """A failed step's blocks hold nothing: drop them from the prefix cache, and fail the
+        requests that took them from it since."""
+        if not block_ids:
+            return
+        self.blocks.forget(block_ids)
+        lost = set(block_ids)
+        for request in list(self.running):
+            if lost.intersection(
+                request.block_ids[: request.num_cached_tokens // self.blocks.block_size]
+            ):
+                request.error = f"a step that computed its cached prompt prefix failed: {error}"
+                self._end(request, RequestStatus.FAILED)
 
     def _lookahead(self, request: SchedRequest, num_tokens: int) -> int:
         """KV slots to hold beyond a greedy decode for the worker's speculative proposals: up to
@@ -269,6 +291,7 @@ class Scheduler:
         running: list[RunningRequest] = []
         num_decodes = num_prefill_tokens = 0
         step_requests = []
+        registered: list[int] = []
         for request, num_tokens, new_block_ids in scheduled:
             num_known = request.num_known_tokens
             samples = request.num_computed_tokens + num_tokens == num_known
@@ -292,6 +315,7 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             request.num_inflight_samples += samples
             step_requests.append((request.request_id, samples, request.num_computed_tokens))
+            registered.extend(self._register_planned_blocks(request))
         if num_decodes and num_prefill_tokens:
             self.counters.num_mixed_steps += 1
         self.counters.num_steps += 1
@@ -306,6 +330,8 @@ class Scheduler:
         )
         self._released_ids = []
         self._step_requests[plan.step_id] = step_requests
+        if registered:
+            self._step_blocks[plan.step_id] = registered
         self._next_step_id += 1
         self._is_first_plan = False
         return plan

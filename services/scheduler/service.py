@@ -186,7 +186,7 @@ class SchedulerService:
                     return
             await self._check_drain()
             await self._claim()
-            await self._pull(block=scheduler.num_unfinished == 0)
+            await self._pull(block=scheduler.num_unfinished == 0, wait_s=self._plan_wait_s())
             self._apply_aborts()
             scheduler.expire()
             # overlapped scheduling: plan step N+1 while the worker runs step N
@@ -232,9 +232,17 @@ class SchedulerService:
                 else "undrained: pulling requests again",
             )
 
-    async def _pull(self, block: bool) -> None:
+    def _plan_wait_s(self) -> float:
+        """Late planning (steps.py): how long the next plan may wait for an arrival; 0 unless
+        the worker is busy with running requests and has no plan queued."""
+        scheduler = self.scheduler
+        if scheduler is None or not scheduler.running or not self.steps.has_room:
+            return 0.0
+        return self.steps.plan_wait_s()
+
+    async def _pull(self, block: bool, wait_s: float = 0.0) -> None:
         """Take as many requests as the group has room for (blocking for the next arrival
-        when `block` and none is there)."""
+        when `block` and none is there; waiting up to `wait_s` for one otherwise)."""
         scheduler = self.scheduler
         assert scheduler is not None
         room = scheduler.config.max_batch_size - scheduler.num_unfinished
@@ -242,7 +250,13 @@ class SchedulerService:
             if block:
                 await asyncio.sleep(0.1)
             return
-        self._add(await self.intake.pull(room, block))
+        started = time.perf_counter()
+        taken = await self.intake.pull(room, block, wait_s)
+        if wait_s and not block:
+            self.metrics.plan_wait.observe(time.perf_counter() - started)
+            if taken:
+                self.metrics.late_plan_arrivals.inc(len(taken))
+        self._add(taken)
 
     def _add(self, taken: list[Taken]) -> None:
         scheduler = self.scheduler

@@ -1,6 +1,12 @@
 """The scheduler's side of the step streams: plans out on {ns}:group:{g}:steps, results back
 on {ns}:group:{g}:results, with up to STEPS_IN_FLIGHT plans outstanding (overlapped
-scheduling: plan N+1 is sent while the worker runs plan N)."""
+scheduling: plan N+1 is sent while the worker runs plan N).
+
+Late planning: plan N+1 only needs to reach the worker before step N ends, and a request that
+arrives before it is planned starts one step sooner (its first token comes after the rest of
+step N and its own step N+1, not after N, N+1 and N+2). So while the worker runs a step, the
+service waits for arrivals until PLAN_AHEAD_FRACTION of a decode step's usual duration has
+passed (`plan_wait_s`), then plans; an arrival ends the wait at once."""
 
 from __future__ import annotations
 
@@ -23,6 +29,11 @@ STEPS_IN_FLIGHT = 2  # plans sent before the oldest result is awaited
 STEPS_MAXLEN = 1000
 RESULT_WARN_S = 30.0
 RESULT_BLOCK_MS = 1000  # a result read waits this long before the worker's health is checked
+# late planning: the next plan is made by this share of a decode-only step's usual duration
+# (the estimate runs low on purpose: every step with prompt tokens takes longer, and a plan
+# that comes late idles the worker)
+PLAN_AHEAD_FRACTION = 0.6
+DECODE_STEP_SMOOTHING = 0.2  # weight of the newest decode-only step in the running estimate
 
 
 class StepChannel:
@@ -36,6 +47,9 @@ class StepChannel:
         self.in_flight: deque[tuple[int, float]] = deque()  # (step_id, perf_counter sent)
         self._results: dict[int, StepResult] = {}  # read ahead of their turn
         self._last_id = b"0-0"
+        self._is_decode_only: dict[int, bool] = {}  # step in flight -> one token per request
+        self.running_since = 0.0  # perf_counter s the oldest step in flight began on the worker
+        self.decode_step_s = 0.0  # running estimate of a decode-only step's duration (0: none)
 
     @property
     def has_room(self) -> bool:
@@ -47,12 +61,17 @@ class StepChannel:
         self._last_id = b"0-0"
         self.in_flight.clear()
         self._results.clear()
+        self._is_decode_only.clear()
 
     async def send(self, plan: StepPlan) -> None:
         """XADD a plan for the worker; its result is awaited later (await_oldest). When this
         plan fills the steps in flight, the oldest result is awaited next: the same round trip
         then also blocks (up to RESULT_BLOCK_MS) for results, which await_oldest finds read."""
+        if not self.in_flight:  # the worker is idle: it starts this plan on receipt
+            self.running_since = time.perf_counter()
         self.in_flight.append((plan.step_id, time.perf_counter()))
+        scheduled = [r.num_scheduled_tokens for r in plan.new_requests + plan.running]
+        self._is_decode_only[plan.step_id] = bool(scheduled) and max(scheduled) == 1
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.xadd(
                 self.channels.steps(self.group),
@@ -95,7 +114,23 @@ class StepChannel:
                 if waited % RESULT_WARN_S == 0:
                     log.warning("no result for step %d after %.0f s", step_id, waited)
         self.metrics.step_round_trip.observe(time.perf_counter() - sent_at)
-        return self._results.pop(step_id)
+        result = self._results.pop(step_id)
+        self.running_since = time.perf_counter()  # the next plan in flight runs from now
+        if self._is_decode_only.pop(step_id, False) and result.step_s > 0 and not result.error:
+            if self.decode_step_s:
+                self.decode_step_s += DECODE_STEP_SMOOTHING * (result.step_s - self.decode_step_s)
+            else:
+                self.decode_step_s = result.step_s
+        return result
+
+    def plan_wait_s(self) -> float:
+        """How long to wait for arrivals before planning the next step: until
+        PLAN_AHEAD_FRACTION of a decode step has passed since the step in flight began; 0
+        when the worker is idle or has a plan queued, or no decode step was timed yet."""
+        if len(self.in_flight) != 1 or not self.decode_step_s:
+            return 0.0
+        plan_at = self.running_since + PLAN_AHEAD_FRACTION * self.decode_step_s
+        return max(0.0, plan_at - time.perf_counter())
 
     def _keep_results(self, entries: list[tuple[bytes, StepResult]]) -> None:
         for entry_id, result in entries:

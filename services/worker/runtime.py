@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
-from services.worker import flash_attention
+from services.worker import flash_attention, step_budget
 from services.worker.backends import FastDecoderPass, ForwardBackend, PagedFlash, PagedSdpa
 from services.worker.fake import Simulated
 from services.worker.fallback import EncoderDecoder, OwnCache
@@ -128,4 +128,5 @@ def ready_message(
         runner=loaded.runner,
         attention=runner.attention,
         started_at=time.time() if started_at is None else started_at,
+        step_tokens=step_budget.suggest(loaded.model, loaded.device, loaded.cache_shape.dtype),
     )

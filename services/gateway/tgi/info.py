@@ -106,7 +106,9 @@ async def info(request: Request) -> JSONResponse:
             "max_input_length": limits.max_input_tokens,
             "max_batch_total_tokens": settings.max_batch_total_tokens,
             "max_batch_prefill_tokens": step_tokens(
-                settings.max_batch_prefill_tokens, worker.device if worker else "cpu"
+                settings.max_batch_prefill_tokens,
+                worker.device if worker else "cpu",
+                worker.step_tokens if worker else 0,
             )
             if worker or settings.max_batch_prefill_tokens
             else None,
