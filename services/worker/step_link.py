@@ -86,6 +86,10 @@ class StepLink:
             reply = self._reader.read_response()
         except BaseException:
             self._reader.disconnect()  # the XREAD out, if any, is abandoned with it
+            # the same server: the sender's connection is as dead, and a write into a socket
+            # the server closed can seem to succeed (its loss shows only at the next write)
+            self._sender.disconnect()
+            self._num_unanswered = 0
             raise
         finally:
             self._is_reading = False
@@ -125,7 +129,9 @@ class StepLink:
         self._is_reading = True
 
     def _drain(self) -> None:
-        """Read the replies that have arrived; past MAX_UNANSWERED, wait for them."""
+        """Read the replies that have arrived; past MAX_UNANSWERED, wait for them. With none
+        due, a readable socket is one the server closed: reading it raises, so the write is
+        not lost in a dead socket (a Redis restarted while this thread computed)."""
         while self._num_unanswered and (
             self._num_unanswered >= MAX_UNANSWERED or self._sender.can_read(0)
         ):
@@ -136,3 +142,5 @@ class StepLink:
                 if self._on_error_reply is not None:
                     self._on_error_reply()
             self._num_unanswered -= 1
+        if not self._num_unanswered and self._sender.can_read(0):
+            self._sender.read_response()  # raises ConnectionError at the closed end

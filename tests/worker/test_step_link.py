@@ -1,6 +1,6 @@
 """The torch thread's Redis line on a real Redis: plans arrive while the caller is busy (an XREAD
 is always out), writes do not wait for replies, an error reply is counted, the steps stream is
-trimmed, and a dropped connection costs one error, not a plan."""
+trimmed, and a dropped connection costs one error, never a plan nor a write."""
 
 from __future__ import annotations
 
@@ -12,6 +12,13 @@ import redis
 from services.worker.step_link import TRIM_EVERY, StepLink, xadd
 from shared.bus import REDIS_ERRORS
 from tests.support.redis_server import redis_server
+
+
+def wait_for(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 @pytest.fixture
@@ -100,11 +107,14 @@ def test_a_dropped_connection_costs_one_error_and_no_plan(namespace):
         client = redis.Redis.from_url(url)
         try:
             drop_and_reconnect(url, client, f"{namespace}:steps")
+            drop_the_sender(url, client, f"{namespace}:steps")
         finally:
             client.close()
 
 
 def drop_and_reconnect(url: str, client: redis.Redis, steps: str) -> None:
+    """Redis drops both connections (a restart): the read raises once, the next one
+    reconnects from the last plan read, and the next write reaches the new connection."""
     link = StepLink(url, steps)
     try:
         first = client.xadd(steps, {b"m": b"1"})
@@ -115,10 +125,27 @@ def drop_and_reconnect(url: str, client: redis.Redis, steps: str) -> None:
         with pytest.raises(REDIS_ERRORS):
             link.read()
         assert [entry_id for entry_id, _ in link.read()] == [second]  # reconnected, from `first`
-        with pytest.raises(REDIS_ERRORS):  # the sender's connection was dropped too
-            for _ in range(100):  # a write to a closed socket can succeed once
-                link.send([("PING",)])
-                time.sleep(0.01)
-        link.send([("PING",)])  # reconnected
+        link.send([xadd(f"{steps}:out", {b"step": b"0"}, 100)])  # not into the dead socket
+        wait_for(lambda: client.xlen(f"{steps}:out") == 1)
+    finally:
+        link.close()
+
+
+def drop_the_sender(url: str, client: redis.Redis, steps: str) -> None:
+    """Only the sender's connection is dropped, between two writes: the next write raises
+    instead of vanishing into the closed socket, and its retry is delivered once."""
+    out = f"{steps}:sender-out"
+    link = StepLink(url, steps)
+    try:
+        link.send([("PING",)])
+        host, port = link._sender._sock.getsockname()[:2]
+        client.client_kill_filter(addr=f"{host}:{port}")
+        time.sleep(0.05)  # the server's close reaches the socket
+        with pytest.raises(REDIS_ERRORS):
+            link.send([xadd(out, {b"step": b"1"}, 100)])
+        link.send([xadd(out, {b"step": b"1"}, 100)])  # the retry
+        wait_for(lambda: client.xlen(out) == 1)
+        time.sleep(0.1)
+        assert client.xlen(out) == 1
     finally:
         link.close()
