@@ -64,9 +64,10 @@ def budget_for(gflops: float, flops_per_token: int) -> int:
     return budget
 
 
-def suggest(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """The budget this worker suggests (0 off the CPU: the scheduler's default applies)."""
-    if device.type != "cpu":
+def suggest(model: torch.nn.Module | None, device: torch.device, dtype: torch.dtype) -> int:
+    """The budget this worker suggests (0 off the CPU, or with no model, as a simulated
+    worker: the scheduler's default applies)."""
+    if device.type != "cpu" or model is None:
         return 0
     gflops = matmul_gflops(dtype)
     flops = linear_flops_per_token(model)

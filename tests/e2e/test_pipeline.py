@@ -52,7 +52,7 @@ def test_sixteen_concurrent_mixed_requests_match_transformers(tiny_cluster, tiny
     # mixed prompt lengths (3..~180 tokens: the longest exceed the 64-token prefill budget)
     # and output lengths; the second half arrives while the first half decodes
     cases = [(prompt_text(i, 2 + (i * 11) % 60), 6 + (i * 7) % 40) for i in range(16)]
-    before = tiny_cluster.stats()
+    before = tiny_cluster.wait_idle()  # published after the last test's requests ended
     bodies = asyncio.run(_many(tiny_cluster.gateway_urls, cases))
     for (prompt, max_new_tokens), body in zip(cases, bodies):
         assert generated_ids(body) == greedy_ids(tiny_llama, prompt, max_new_tokens, [2]), prompt
@@ -93,7 +93,7 @@ async def _many(urls: list[str], cases: list[tuple[str, int]]) -> list[dict]:
 def test_long_prompt_is_chunked_while_others_decode(tiny_cluster, tiny_llama):
     long_prompt = prompt_text(3, 150)  # several times the 64-token prefill budget
     assert len(tokenizer(tiny_llama)(long_prompt).input_ids) > 3 * 64
-    before = tiny_cluster.stats()
+    before = tiny_cluster.wait_idle()  # published after the last test's requests ended
 
     async def scenario():
         async with httpx.AsyncClient() as client:
@@ -309,7 +309,7 @@ def test_client_disconnect_and_stop_sequence_free_the_blocks(tiny_cluster, tiny_
     """An abandoned stream and a stop-sequence hit end the request on the scheduler: its blocks
     come back and nothing keeps decoding."""
     url = tiny_cluster.gateway_urls[0]
-    before = tiny_cluster.stats()
+    before = tiny_cluster.wait_idle()  # published after the last test's requests ended
     with httpx.Client(timeout=60) as client:
         with client.stream(
             "POST",

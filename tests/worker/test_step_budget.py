@@ -37,6 +37,7 @@ def test_a_cpu_worker_suggests_and_an_accelerator_does_not():
     assert budget & (budget - 1) == 0 and MIN_TOKENS <= budget <= MAX_TOKENS
     assert budget == MAX_TOKENS  # 8 KFLOP per token: any CPU computes 4096 in 0.5 s
     assert step_budget.suggest(model, torch.device("cuda"), torch.float32) == 0
+    assert step_budget.suggest(None, torch.device("cpu"), torch.float32) == 0  # simulated
     assert step_budget.matmul_gflops(torch.float32) > 0
 
 
