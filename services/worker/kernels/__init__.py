@@ -37,6 +37,9 @@ FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 CAPABILITY_ENV = "ATEN_CPU_CAPABILITY"  # PyTorch's name: one switch for torch and for us
 # x86-64 instruction sets, lowest first, and the -march that builds for each
 LEVELS = {"default": "x86-64-v2", "avx2": "x86-64-v3", "avx512": "native"}
+# GCC vectorizes loops 256 bits wide on most AVX512 CPUs unless told: the element-wise kernels
+# then run ~20% slower in bfloat16 (silu_mul on 512 x 1536: 0.42 vs 0.55 ms)
+LEVEL_FLAGS = {"avx512": ["-mprefer-vector-width=512"]}
 BUILD_TIMEOUT_S = 120
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the element types compiled
 KEY_TILE = 16  # keys the attention kernel scores at once: block sizes must be multiples
@@ -111,7 +114,8 @@ def _library_path(compiler: str, level: str) -> Path:
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, timeout=30
     ).stdout
-    for part in (version, " ".join(FLAGS), march(level), _cpu_identity(), platform.machine()):
+    flags = " ".join([*FLAGS, *LEVEL_FLAGS.get(level, [])])
+    for part in (version, flags, march(level), _cpu_identity(), platform.machine()):
         digest.update(part.encode())
     return cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
 
@@ -123,7 +127,10 @@ def _build(compiler: str, level: str, target: Path) -> None:
     started = time.perf_counter()
     try:
         subprocess.run(
-            [compiler, *FLAGS, march(level), "-o", private, str(SOURCE_DIR / "cpu_kernels.c")],
+            [
+                *[compiler, *FLAGS, *LEVEL_FLAGS.get(level, []), march(level)],
+                *["-o", private, str(SOURCE_DIR / "cpu_kernels.c")],
+            ],
             check=True,
             capture_output=True,
             text=True,
