@@ -1,6 +1,6 @@
-"""The step budget's default follows the device: TGI's 4096 tokens on accelerators, 512 on a
-CPU (where a 4096-token step takes seconds and every prompt in it waits for its end); a
-given --max-batch-prefill-tokens always wins."""
+"""The step budget's default follows the device: TGI's 4096 tokens on accelerators, on a CPU
+the worker's suggestion for its speed, else 512 (a 4096-token CPU step can take seconds and
+every prompt in it waits for its end); a given --max-batch-prefill-tokens always wins."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from shared.messages import WorkerReady
 from shared.settings import step_tokens
 
 
-def ready(device: str) -> WorkerReady:
+def ready(device: str, suggested: int = 0) -> WorkerReady:
     return WorkerReady(
         group="g",
         model_id="m",
@@ -18,6 +18,7 @@ def ready(device: str) -> WorkerReady:
         max_batch_size=8,
         max_model_len=512,
         device=device,
+        step_tokens=suggested,
     )
 
 
@@ -28,3 +29,10 @@ def test_default_step_budget_per_device():
     assert SchedulerConfig.for_worker(ready("cpu"), None, 8).max_batch_prefill_tokens == 512
     assert SchedulerConfig.for_worker(ready("cuda:1"), None, 8).max_batch_prefill_tokens == 4096
     assert SchedulerConfig.for_worker(ready("cpu"), 64, 8).max_batch_prefill_tokens == 64
+
+
+def test_the_scheduler_takes_the_workers_suggestion_unless_the_flag_sets_one():
+    assert SchedulerConfig.for_worker(ready("cpu", 2048), None, 8).max_batch_prefill_tokens == 2048
+    assert SchedulerConfig.for_worker(ready("cpu", 2048), 64, 8).max_batch_prefill_tokens == 64
+    assert step_tokens(None, "cpu", 1024) == 1024
+    assert step_tokens(None, "cpu") == 512

@@ -1,15 +1,13 @@
 """A CPU worker suggests a step budget for its speed: STEP_TARGET_S of matmuls, as a power of
-two within [MIN_TOKENS, MAX_TOKENS]; the scheduler takes it unless the flag sets one."""
+two within [MIN_TOKENS, MAX_TOKENS] (tests/scheduler/test_step_budget.py: the scheduler takes
+it unless the flag sets one)."""
 
 from __future__ import annotations
 
 import torch
 
-from services.scheduler.config import SchedulerConfig
 from services.worker import step_budget
 from services.worker.step_budget import MAX_TOKENS, MIN_TOKENS, budget_for
-from shared.messages import WorkerReady
-from shared.settings import step_tokens
 
 
 def test_budget_is_the_power_of_two_below_the_target_time():
@@ -39,20 +37,3 @@ def test_a_cpu_worker_suggests_and_an_accelerator_does_not():
     assert step_budget.suggest(model, torch.device("cuda"), torch.float32) == 0
     assert step_budget.suggest(None, torch.device("cpu"), torch.float32) == 0  # simulated
     assert step_budget.matmul_gflops(torch.float32) > 0
-
-
-def test_the_scheduler_takes_the_suggestion_unless_the_flag_sets_one():
-    ready = WorkerReady(
-        group="g",
-        model_id="m",
-        num_blocks=100,
-        block_size=16,
-        max_batch_size=8,
-        max_model_len=512,
-        device="cpu",
-        step_tokens=2048,
-    )
-    assert SchedulerConfig.for_worker(ready, None, 8).max_batch_prefill_tokens == 2048
-    assert SchedulerConfig.for_worker(ready, 64, 8).max_batch_prefill_tokens == 64
-    assert step_tokens(None, "cpu", 1024) == 1024
-    assert step_tokens(None, "cpu") == 512
