@@ -1,0 +1,84 @@
+"""Late planning (services/scheduler/steps.py): while the worker runs its only step, the next
+plan waits for arrivals until PLAN_AHEAD_FRACTION of a decode step's running estimate has
+passed; the estimate follows decode-only steps' durations as the worker reports them."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis.asyncio as aioredis
+
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.steps import DECODE_STEP_SMOOTHING, PLAN_AHEAD_FRACTION, StepChannel
+from shared.channels import Channels
+from shared.messages import (
+    NewRequest,
+    RunningRequest,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    StoppingParams,
+)
+
+
+def plan(step_id: int, *tokens: int) -> StepPlan:
+    """A plan whose requests are scheduled `tokens` each (the first one new)."""
+    first = NewRequest(
+        request_id="r0",
+        input_ids=[1] * tokens[0],
+        sampling=SamplingParams(),
+        stopping=StoppingParams(max_new_tokens=4),
+        reply_to="reply",
+        block_ids=[0],
+        num_computed_tokens=0,
+        num_scheduled_tokens=tokens[0],
+    )
+    running = [
+        RunningRequest(request_id=f"r{i}", new_block_ids=[], num_scheduled_tokens=n)
+        for i, n in enumerate(tokens[1:], start=1)
+    ]
+    return StepPlan(step_id=step_id, new_requests=[first], running=running)
+
+
+async def answered(channel: StepChannel, result: StepResult) -> StepResult:
+    async def healthy() -> None:
+        return None
+
+    channel._keep_results([(b"1-0", result)])
+    return await channel.await_oldest(healthy, lambda: False)
+
+
+@pytest.fixture
+async def redis_client(redis_url):
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+async def test_the_next_plan_waits_a_share_of_a_decode_step(redis_client, namespace):
+    channel = StepChannel(redis_client, Channels(namespace), "g", SchedulerMetrics())
+    assert channel.plan_wait_s() == 0.0  # idle worker
+    await channel.send(plan(0, 40))  # a prompt: its duration says nothing of decodes
+    assert channel.plan_wait_s() == 0.0  # no decode step timed yet
+    await answered(channel, StepResult(step_id=0, step_s=0.5))
+    assert channel.decode_step_s == 0.0
+    await channel.send(plan(1, 1, 1))
+    await answered(channel, StepResult(step_id=1, step_s=0.400))
+    assert channel.decode_step_s == pytest.approx(0.400)
+    await channel.send(plan(2, 1, 1))
+    await answered(channel, StepResult(step_id=2, step_s=0.600))
+    expected = 0.400 + DECODE_STEP_SMOOTHING * (0.600 - 0.400)
+    assert channel.decode_step_s == pytest.approx(expected)
+
+    sent = time.perf_counter()
+    await channel.send(plan(3, 1, 1))  # the worker was idle: it runs this one from now
+    wait = channel.plan_wait_s()
+    assert 0 < wait <= PLAN_AHEAD_FRACTION * expected
+    assert wait >= PLAN_AHEAD_FRACTION * expected - (time.perf_counter() - sent) - 1e-3
+    await channel.send(plan(4, 1, 1))  # a plan queued behind it: nothing to wait for
+    assert channel.plan_wait_s() == 0.0
+    await answered(channel, StepResult(step_id=3, step_s=0.5))  # plan 4 runs from now
+    assert 0 < channel.plan_wait_s() <= PLAN_AHEAD_FRACTION * channel.decode_step_s
