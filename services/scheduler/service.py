@@ -234,9 +234,10 @@ class SchedulerService:
 
     def _plan_wait_s(self) -> float:
         """Late planning (steps.py): how long the next plan may wait for an arrival; 0 unless
-        the worker is busy with running requests and has no plan queued."""
+        the worker is busy with running requests and has no plan queued (StepChannel checks
+        the plans in flight)."""
         scheduler = self.scheduler
-        if scheduler is None or not scheduler.running or not self.steps.has_room:
+        if scheduler is None or not scheduler.running:
             return 0.0
         return self.steps.plan_wait_s()
 
