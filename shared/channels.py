@@ -74,3 +74,8 @@ class Channels:
         """Key whose presence tells the group's scheduler to stop pulling new requests
         (`textgen queue drain GROUP`); requests it already holds still finish."""
         return f"{self.namespace}:group:{group}:drain"
+
+    @property
+    def adapters(self) -> str:
+        """Hash of the LoRA adapters clients may select: name -> AdapterRef (shared/adapters.py)."""
+        return f"{self.namespace}:adapters"

@@ -16,6 +16,7 @@ Who sends what:
     worker    --WorkerReady------>  {ns}:group:{g}:worker     (key: capacity of the group)
     worker    --Heartbeat-------->  {ns}:group:{g}:heartbeat  (key with a TTL)
     scheduler --SchedulerStats--->  {ns}:group:{g}:scheduler  (key: live counters for operators)
+    any       --AdapterRef------->  {ns}:adapters             (hash: name -> LoRA adapter)
 
 No tensors travel: token ids are lists of ints, times are unix seconds (float).
 """
@@ -57,6 +58,19 @@ class Constraint(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
     kind: ConstraintKind  # how to read `spec`
     spec: str  # the schema, regex, choices or grammar, as text
     key: str  # sha256 of (kind, spec): the worker's compile-cache key
+
+
+class AdapterRef(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
+    """A LoRA adapter as registered in Redis (shared/adapters.py): what a request names and
+    what a worker loads. Stored whole in the registry hash and carried by every request that
+    uses it, so a worker needs no lookup to load it."""
+
+    name: str  # what clients select it by: OpenAI `model`, TGI `parameters.adapter_id`
+    path: str  # folder holding adapter_config.json and adapter_model.safetensors (PEFT's)
+    id: str  # unique per registration: a name registered again is a new adapter to workers
+    rank: int = 0  # the largest LoRA rank in its config (r and rank_pattern)
+    base_model: str = ""  # base_model_name_or_path of its config (informational)
+    created: int = 0  # unix s it was registered
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -118,6 +132,7 @@ class GenerateRequest(Message):
     priority: int = 0  # higher is scheduled first; ties keep arrival order
     generated_ids: list[int] = []  # tokens already delivered (resumption after a failure)
     traceparent: str = ""  # W3C trace context of the gateway's span
+    adapter: AdapterRef | None = None  # the LoRA adapter to apply; None: the base model
 
 
 class AbortRequest(Message):
@@ -141,6 +156,7 @@ class NewRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     num_scheduled_tokens: int  # tokens to compute in this step, starting at num_computed_tokens
     scheduled_at: float = 0.0  # unix s the scheduler first scheduled it (queue time ends)
     traceparent: str = ""  # trace context, for the worker's spans
+    adapter: AdapterRef | None = None  # from GenerateRequest: the LoRA adapter to apply
 
 
 class RunningRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -170,6 +186,7 @@ class RequestOutput(msgspec.Struct, omit_defaults=True, kw_only=True):
     finish_reason: FinishReason | None = None  # set when this step ended the request
     error: str = ""  # non-empty: this request failed alone (its grammar did not compile); it ends
     awaits_grammar: bool = False  # no token: its grammar is compiling; its last token is recomputed
+    refused: bool = False  # with `error`: failed before the forward pass, nothing was computed
 
 
 class StepResult(Message):
@@ -235,6 +252,7 @@ class WorkerReady(Message):
     # tokens per step the worker suggests for its speed (services/worker/step_budget.py);
     # 0: the device's default. --max-batch-prefill-tokens overrides it
     step_tokens: int = 0
+    max_loras: int = 0  # LoRA adapters the group holds at once; the most one step may mix
 
 
 class Heartbeat(Message):

@@ -146,6 +146,15 @@ class Settings(BaseSettings):
         description="on the CPU, run transformers' own modules instead of textgen's fast "
         "decoder for Llama, Mistral and Qwen2 models",
     )
+    lora_adapters: str | None = Field(
+        None,
+        description="LoRA adapters to serve, NAME=FOLDER,... (or FOLDER, named by itself): PEFT "
+        "folders (adapter_config.json, adapter_model.safetensors), registered in Redis at start",
+    )
+    max_loras: int = Field(
+        4, description="LoRA adapters a worker group holds at once, and the most one step mixes"
+    )
+    max_lora_rank: int = Field(64, description="largest LoRA rank accepted when registering")
     fake_step_ms: float | None = Field(
         None, description="simulate the worker: each step takes this long, no model is loaded"
     )
@@ -190,6 +199,10 @@ class Settings(BaseSettings):
             parse_cpus(self.worker_cpus)  # raises ValueError with the reason
         if not 0 <= self.speculate <= 16:
             raise ValueError("speculate must be between 0 and 16")
+        if self.max_loras <= 0:
+            raise ValueError("max_loras must be > 0")
+        if self.max_lora_rank <= 0:
+            raise ValueError("max_lora_rank must be > 0")
         if self.grammar_compile_timeout <= 0:
             raise ValueError("grammar_compile_timeout must be positive")
         if (

@@ -17,7 +17,13 @@ from services.scheduler.scheduler import Scheduler
 from services.worker.loader import LoadedModel, load_model
 from services.worker.runner import StepOutcome
 from services.worker.runtime import build_runner, ready_message
-from shared.messages import FinishReason, GenerateRequest, SamplingParams, StoppingParams
+from shared.messages import (
+    AdapterRef,
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+    StoppingParams,
+)
 
 
 @dataclass
@@ -63,6 +69,7 @@ class Engine:
         quantize: str | None = None,
         speculate: int = 0,
         cpu_kernels: bool = True,
+        max_loras: int = 4,
     ) -> None:
         self.loaded = (
             model_id
@@ -78,6 +85,7 @@ class Engine:
             kv_cache_memory=kv_cache_memory,
             max_batch_size=max_batch_size,
             speculate=speculate,
+            max_loras=max_loras,
         )
         # the scheduler service's policy (watermark included) for this runner, as announced
         ready = ready_message(
@@ -118,6 +126,7 @@ class Engine:
         sampling: SamplingParams | None = None,
         stop_token_ids: list[int] | None = None,
         generated_ids: list[int] | None = None,
+        adapter: AdapterRef | None = None,
     ) -> str:
         """Queue one request; its id (its Output: `take(request_id)` once run).
         `generated_ids`: tokens it generated before (resumed, as after a failover); its Output
@@ -135,6 +144,7 @@ class Engine:
                 created_at=time.time(),
                 deadline=0.0,
                 generated_ids=generated_ids or [],
+                adapter=adapter,
             ),
             b"0-0",
         )

@@ -24,10 +24,13 @@ from collections.abc import Sequence
 BlockHash = int
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int) -> list[BlockHash]:
-    """Chained hashes of the first num_blocks full blocks of token_ids."""
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, num_blocks: int, salt: str = ""
+) -> list[BlockHash]:
+    """Chained hashes of the first num_blocks full blocks of token_ids. `salt` starts the
+    chain: the LoRA adapter id, whose keys and values differ from the base model's."""
     hashes: list[BlockHash] = []
-    parent = 0
+    parent = hash(salt) if salt else 0
     for i in range(num_blocks):
         parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
         hashes.append(parent)

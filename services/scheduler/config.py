@@ -17,6 +17,7 @@ class SchedulerConfig:
     watermark_blocks: int = 0  # blocks kept free when admitting, so decodes rarely preempt
     enable_prefix_caching: bool = True  # reuse cached blocks of equal prompt prefixes
     num_speculative_tokens: int = 0  # n-gram proposals the worker may add to a greedy decode
+    max_loras: int = 0  # distinct LoRA adapters running at once (the worker's slots); 0: no cap
 
     @classmethod
     def for_worker(
@@ -40,6 +41,7 @@ class SchedulerConfig:
             watermark_blocks=max(1, ready.num_blocks // 100),
             enable_prefix_caching=enable_prefix_caching and ready.runner == "paged",
             num_speculative_tokens=ready.num_speculative_tokens,
+            max_loras=ready.max_loras,
         )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from shared.messages import GenerateRequest
+from shared.messages import GenerateRequest, NewRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -61,6 +61,12 @@ class SchedRequest:
         return self.message.request_id
 
     @property
+    def adapter_id(self) -> str:
+        """Its LoRA adapter's registration id; empty for the base model."""
+        adapter = self.message.adapter
+        return adapter.id if adapter is not None else ""
+
+    @property
     def num_generated_ids(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
@@ -78,3 +84,21 @@ class SchedRequest:
     def sort_key(self) -> tuple[int, int]:
         """Waiting-queue order: priority (high first), then arrival."""
         return (-self.message.priority, self.arrival)
+
+    def as_new(self, num_tokens: int) -> NewRequest:
+        """What the worker needs to hold it, with `num_tokens` to compute in its first step."""
+        message = self.message
+        return NewRequest(
+            request_id=self.request_id,
+            input_ids=message.input_ids,
+            generated_ids=self.token_ids[self.num_prompt_tokens :],
+            sampling=message.sampling,
+            stopping=message.stopping,
+            reply_to=message.reply_to,
+            block_ids=list(self.block_ids),
+            num_computed_tokens=self.num_computed_tokens,
+            num_scheduled_tokens=num_tokens,
+            scheduled_at=self.scheduled_at,
+            traceparent=message.traceparent,
+            adapter=message.adapter,
+        )

@@ -8,13 +8,16 @@ while the other requests keep decoding in the same forward pass; a preempted req
 recomputed the same way.
 
 Admission: waiting requests in (priority, arrival) order, head-of-line: the first one that does not
-fit stops admission. Blocks are allocated as tokens are scheduled; when they run out, the newest
-running request is preempted (its blocks freed, its tokens kept for recompute).
+fit stops admission; one whose LoRA adapter would make more distinct adapters run than the
+worker holds (`max_loras`) is passed over until a slot frees, as in vLLM. Blocks are allocated
+as tokens are scheduled; when they run out, the newest running request is preempted (its blocks
+freed, its tokens kept for recompute).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -105,6 +108,9 @@ class Scheduler:
             if request is None:
                 continue  # aborted (or finished in an earlier step) while the step ran
             if output.error:  # the worker failed it alone and told its gateway
+                if output.refused:  # blocks it registered in that step hold nothing
+                    held = set(request.block_ids)
+                    self._forget_blocks([b for b in registered if b in held], output.error)
                 self._end(request, RequestStatus.FAILED, is_on_worker_done=True)
                 continue
             if output.awaits_grammar and request.status == RequestStatus.RUNNING:
@@ -167,8 +173,12 @@ class Scheduler:
     def _admit_waiting(
         self, scheduled: list[tuple[SchedRequest, int, list[int]]], budget: int, has_running: bool
     ) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
-            request = self.waiting[0]
+        adapters = {r.adapter_id for r in self.running if r.adapter_id}
+        index = 0  # waiting requests before it wait for an adapter slot
+        while index < len(self.waiting) and budget > 0:
+            if len(self.running) >= self.config.max_batch_size:
+                break
+            request = self.waiting[index]
             if request.num_inflight_samples:
                 break  # preempted with a step in flight: re-admit once its token is known
             if self.blocks.num_blocks_for(len(request.token_ids) + 1) > self.blocks.num_blocks:
@@ -179,6 +189,11 @@ class Scheduler:
                 )
                 self._end(request, RequestStatus.FAILED)
                 continue
+            adapter = request.adapter_id
+            cap = self.config.max_loras
+            if adapter and cap and adapter not in adapters and len(adapters) >= cap:
+                index += 1  # every adapter slot is taken: later requests may fit (vLLM's rule)
+                continue
             cached = self._cached_prefix(request)
             num_cached = len(cached) * self.blocks.block_size
             num_tokens = min(len(request.token_ids) - num_cached, budget)
@@ -186,7 +201,9 @@ class Scheduler:
             if not self.blocks.can_allocate(num_blocks, reserve=self.config.watermark_blocks):
                 self.blocks.free(cached)
                 break  # head-of-line: keep arrival order
-            self.waiting.pop(0)
+            self.waiting.pop(index)
+            if adapter:
+                adapters.add(adapter)
             request.block_ids = cached + self.blocks.allocate(num_blocks)
             request.num_hashed_blocks = len(cached)  # registered already
             request.num_computed_tokens = num_cached
@@ -210,7 +227,9 @@ class Scheduler:
         num_full = (len(request.token_ids) - 1) // self.blocks.block_size
         if num_full == 0:
             return []
-        hashes = block_hashes(request.token_ids, self.blocks.block_size, num_full)
+        hashes = block_hashes(
+            request.token_ids, self.blocks.block_size, num_full, request.adapter_id
+        )
         return self.blocks.cached_prefix(hashes)
 
     def _register_planned_blocks(self, request: SchedRequest) -> list[int]:
@@ -222,7 +241,9 @@ class Scheduler:
         num_full = request.num_computed_tokens // self.blocks.block_size
         if num_full <= request.num_hashed_blocks or not self.config.enable_prefix_caching:
             return []
-        hashes = block_hashes(request.token_ids, self.blocks.block_size, num_full)
+        hashes = block_hashes(
+            request.token_ids, self.blocks.block_size, num_full, request.adapter_id
+        )
         registered = []
         for index in range(request.num_hashed_blocks, num_full):
             if self.blocks.register(request.block_ids[index], hashes[index]):
@@ -310,7 +331,7 @@ class Scheduler:
                     )
                 )
             else:
-                new_requests.append(self._new_request(request, num_tokens))
+                new_requests.append(request.as_new(num_tokens))
                 request.is_on_worker = True
             request.num_computed_tokens += num_tokens
             request.num_inflight_samples += samples
@@ -335,22 +356,6 @@ class Scheduler:
         self._next_step_id += 1
         self._is_first_plan = False
         return plan
-
-    def _new_request(self, request: SchedRequest, num_tokens: int) -> NewRequest:
-        message = request.message
-        return NewRequest(
-            request_id=request.request_id,
-            input_ids=message.input_ids,
-            generated_ids=request.token_ids[request.num_prompt_tokens :],
-            sampling=message.sampling,
-            stopping=message.stopping,
-            reply_to=message.reply_to,
-            block_ids=list(request.block_ids),
-            num_computed_tokens=request.num_computed_tokens,
-            num_scheduled_tokens=num_tokens,
-            scheduled_at=request.scheduled_at,
-            traceparent=message.traceparent,
-        )
 
     # --- bookkeeping ---------------------------------------------------------------------
 
@@ -377,7 +382,6 @@ class Scheduler:
             self.counters.num_finished += 1
 
     def stats(self, group: str, draining: bool = False) -> SchedulerStats:
-        c = self.counters
         return SchedulerStats(
             group=group,
             at=self.clock(),
@@ -385,15 +389,7 @@ class Scheduler:
             num_waiting=len(self.waiting),
             num_blocks=self.blocks.num_blocks,
             num_free_blocks=self.blocks.num_free_blocks,
-            num_steps=c.num_steps,
-            num_finished=c.num_finished,
-            max_step_batch_size=c.max_step_batch_size,
-            num_joined_running=c.num_joined_running,
-            num_prefill_chunks=c.num_prefill_chunks,
-            num_mixed_steps=c.num_mixed_steps,
-            num_preempted=c.num_preempted,
-            num_admitted_tokens=c.num_admitted_tokens,
-            num_cached_tokens=c.num_cached_tokens,
             num_cached_blocks=self.blocks.num_cached_blocks,
             draining=draining,
+            **dataclasses.asdict(self.counters),  # its counters, named alike
         )

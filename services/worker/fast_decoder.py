@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from services.worker import dense_prefill, kernels
 from services.worker.dense_prefill import AttentionSplit, attend_dense
 from services.worker.kv_cache import PagedKVCache
+from services.worker.lora import LoraOp, LoraSet
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,12 @@ class FastDecoder:
         self.num_heads: int = (
             config.num_attention_heads
         )  # the kernels take the KV shape from the cache
-        self.layers = [self._layer(layer, config) for layer in decoder.layers]
+        # the matmuls LoRA adapters may add to, by the module names PEFT gives their parts
+        self.lora_ops: dict[str, LoraOp] = {}
+        self.lora: LoraSet | None = None  # the worker's adapters, once attached
+        self.layers = [
+            self._layer(index, layer, config) for index, layer in enumerate(decoder.layers)
+        ]
         # long prompt chunks attend with torch's fused attention where it runs this dtype
         self.is_dense_supported = dense_prefill.is_supported(self.embed.dtype)
         self.lm_head = PackedLinear(model.get_output_embeddings().weight.detach())
@@ -230,8 +236,28 @@ class FastDecoder:
             out.index_copy_(0, split.paged_rows, paged)
         return out
 
-    def _layer(self, layer: Any, config: Any) -> Layer:
+    def _lora_op(self, key: str, prefix: str, *linears: tuple[str, torch.nn.Linear]) -> None:
+        parts = tuple((f"{prefix}.{name}", linear.out_features) for name, linear in linears)
+        self.lora_ops[key] = LoraOp(key, parts, linears[0][1].in_features)
+
+    def _layer(self, index: int, layer: Any, config: Any) -> Layer:
         attention, mlp = layer.self_attn, layer.mlp
+        prefix = f"model.layers.{index}"  # transformers' (and PEFT's) module names
+        self._lora_op(
+            f"{index}.qkv",
+            f"{prefix}.self_attn",
+            ("q_proj", attention.q_proj),
+            ("k_proj", attention.k_proj),
+            ("v_proj", attention.v_proj),
+        )
+        self._lora_op(f"{index}.o", f"{prefix}.self_attn", ("o_proj", attention.o_proj))
+        self._lora_op(
+            f"{index}.gate_up",
+            f"{prefix}.mlp",
+            ("gate_proj", mlp.gate_proj),
+            ("up_proj", mlp.up_proj),
+        )
+        self._lora_op(f"{index}.down", f"{prefix}.mlp", ("down_proj", mlp.down_proj))
         if hasattr(attention, "sliding_window"):
             window = attention.sliding_window
         else:  # Mistral's attention reads it from the config
@@ -263,15 +289,27 @@ class FastDecoder:
         cos, sin = cos[0].contiguous(), sin[0].contiguous()
         residual = hidden.clone()  # the skip connection's running sum
         x = ops.rms_norm(hidden, self.layers[0].input_norm, self.eps)
+        lora = self.lora if self.lora is not None and self.lora.step is not None else None
         for index, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.keys[index], kv_cache.values[index]
             qkv = layer.qkv(x)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+            if lora:
+                lora.add(f"{index}.qkv", x, qkv)
             ops.rope_store(
                 qkv, cos, sin, k_cache, v_cache, tables.slot_mapping, self.num_heads, block_size
             )
             attended = self._attend(qkv, k_cache, v_cache, tables, layer, block_size)
-            x = ops.rms_norm(layer.o(attended), layer.post_norm, self.eps, residual=residual)
-            mlp_out = layer.down(ops.silu_mul(layer.gate_up(x)))
+            attention_out = layer.o(attended)
+            if lora:
+                lora.add(f"{index}.o", attended, attention_out)
+            x = ops.rms_norm(attention_out, layer.post_norm, self.eps, residual=residual)
+            gate_up = layer.gate_up(x)
+            if lora:
+                lora.add(f"{index}.gate_up", x, gate_up)
+            activated = ops.silu_mul(gate_up)
+            mlp_out = layer.down(activated)
+            if lora:
+                lora.add(f"{index}.down", activated, mlp_out)
             if index + 1 < len(self.layers):
                 x = ops.rms_norm(
                     mlp_out, self.layers[index + 1].input_norm, self.eps, residual=residual

@@ -112,3 +112,35 @@ class WorkerMetrics:
             "steps in which a request sampled nothing because its grammar was still compiling",
             registry=r,
         )
+        # LoRA adapters (services/worker/lora.py)
+        self.lora_loads = Counter(
+            "textgen_worker_lora_loads",
+            "LoRA adapters loaded into the group",
+            ["adapter"],
+            registry=r,
+        )
+        self.lora_load_seconds = Histogram(
+            "textgen_worker_lora_load_seconds",
+            "one adapter read from its folder and stacked (on the torch thread)",
+            buckets=[0.001 * 2**i for i in range(14)],
+            registry=r,
+        )
+        self.lora_evictions = Counter(
+            "textgen_worker_lora_evictions",
+            "LoRA adapters dropped (least recently used, or unregistered)",
+            ["adapter"],
+            registry=r,
+        )
+        self.lora_requests = Counter(
+            "textgen_worker_lora_requests", "requests started per adapter", ["adapter"], registry=r
+        )
+        self.lora_tokens = Counter(
+            "textgen_worker_lora_tokens", "tokens sampled per adapter", ["adapter"], registry=r
+        )
+
+    def lora_loaded(self, adapter: str, seconds: float) -> None:
+        self.lora_loads.labels(adapter).inc()
+        self.lora_load_seconds.observe(seconds)
+
+    def lora_evicted(self, adapter: str) -> None:
+        self.lora_evictions.labels(adapter).inc()

@@ -23,6 +23,7 @@ from services.worker.backends import ForwardBackend, PackedBatch
 from services.worker.grammar import GrammarEngine, RequestGrammar
 from services.worker.kernels import CpuKernels
 from services.worker.kv_cache import PagedKVCache
+from services.worker.lora import LoraSet, hold_adapters
 from services.worker.sampling import Sampled, needs_own_row, sample_greedy_batch, sample_one
 from services.worker.speculation import accepted, propose
 from services.worker.state import RequestState, stop_reason
@@ -49,6 +50,7 @@ class ModelRunner:
         num_speculative_tokens: int = 0,
         kernels: CpuKernels | None = None,
         grammar: GrammarEngine | None = None,
+        lora: LoraSet | None = None,
     ) -> None:
         self.backend = backend  # runs the forward pass
         self.attention = backend.name  # "cpu-kernels", "flash-attn" or "sdpa": /info, metrics
@@ -61,13 +63,15 @@ class ModelRunner:
         self.device = device
         self.requests: dict[str, RequestState] = {}
         self.grammar = grammar  # constrained decoding; None: requests with a constraint fail
+        self.lora = lora  # LoRA adapters; None: requests naming one fail
 
     def execute(self, plan: StepPlan) -> StepOutcome:
         started = time.perf_counter()
         scheduled = self._apply_plan(plan)
+        refused = hold_adapters(self.lora, scheduled, self.requests)
         self.backend.release(self.requests)  # state of requests gone since the last step
         if not scheduled:
-            return StepOutcome(StepResult(step_id=plan.step_id), {})
+            return self._with_refused(StepOutcome(StepResult(step_id=plan.step_id), {}), refused)
         try:
             batch = self._pack(scheduled)
             forward_started = time.perf_counter()
@@ -81,7 +85,7 @@ class ModelRunner:
         except Exception as exc:  # the whole step fails; every request in it ends
             log.exception("step %d failed", plan.step_id)
             return self._fail(plan.step_id, scheduled, f"{type(exc).__name__}: {exc}")
-        outcome = self._advance(plan.step_id, scheduled, samples)
+        outcome = self._with_refused(self._advance(plan.step_id, scheduled, samples), refused)
         outcome.result.num_tokens = int(batch.input_ids.shape[1])
         outcome.result.num_draft_tokens = len(batch.draft_rows)
         outcome.result.forward_s = forward_s
@@ -110,6 +114,17 @@ class ModelRunner:
             held.num_scheduled_tokens = running.num_scheduled_tokens
             scheduled.append(held)
         return scheduled
+
+    @staticmethod
+    def _with_refused(outcome: StepOutcome, refused: list[tuple[RequestState, str]]) -> StepOutcome:
+        for state, error in refused:
+            outcome.result.outputs.append(
+                RequestOutput(request_id=state.request_id, error=error, refused=True)
+            )
+            outcome.events.setdefault(state.reply_to, []).append(
+                TokenEvent(request_id=state.request_id, error=error, error_type="validation")
+            )
+        return outcome
 
     def _attach(self, constraint, generated_ids: list[int]) -> RequestGrammar:
         if self.grammar is not None:
@@ -168,6 +183,14 @@ class ModelRunner:
             states=scheduled,
         )
         batch.prepared = self.backend.prepare(batch, self.kv_cache)  # once, for every layer
+        if self.lora is not None:
+            self.lora.begin_step(
+                (
+                    (state.adapter.id if state.adapter else None, start, end)
+                    for state, start, end in zip(scheduled, query_start, query_start[1:])
+                ),
+                len(input_ids),
+            )
         return batch
 
     def _drafts(self, state: RequestState, end: int) -> list[int]:
@@ -305,6 +328,8 @@ class ModelRunner:
                 if reason is not None:
                     break
             token_ids = [sample.token_id for sample in taken]
+            if state.adapter is not None and self.lora is not None:
+                self.lora.on_tokens(state.adapter.name, len(token_ids))
             outputs.append(
                 RequestOutput(
                     request_id=state.request_id, token_ids=token_ids, finish_reason=reason

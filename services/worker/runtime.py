@@ -15,12 +15,19 @@ import logging
 import time
 
 from services.worker import flash_attention, step_budget
-from services.worker.backends import FastDecoderPass, ForwardBackend, PagedFlash, PagedSdpa
+from services.worker.backends import (
+    FastDecoderPass,
+    ForwardBackend,
+    PagedFlash,
+    PagedSdpa,
+    TransformersPaged,
+)
 from services.worker.fake import Simulated
 from services.worker.fallback import EncoderDecoder, OwnCache
 from services.worker.grammar import GrammarEngine
 from services.worker.kv_cache import PagedKVCache, default_budget, plan_num_blocks
 from services.worker.loader import FALLBACK, SEQ2SEQ, LoadedModel
+from services.worker.lora import LoraSet, hook_modules, linear_modules, module_ops
 from services.worker.metrics import WorkerMetrics
 from services.worker.runner import ModelRunner
 from shared.messages import WorkerReady
@@ -56,12 +63,14 @@ def build_runner(
     fake_step_ms: float | None = None,
     grammar_compile_timeout: float | None = 10.0,
     metrics: WorkerMetrics | None = None,
+    max_loras: int = 0,
 ) -> ModelRunner:
     """The runner of `loaded` with its KV cache: `num_blocks` blocks when given (a
     tensor-parallel rank takes rank 0's), else as many as `kv_cache_memory` bytes (default: a
     share of free memory) hold, never more than a full batch of full contexts would use.
     `grammar_compile_timeout` None: no constrained decoding (a request with a constraint fails
-    with the reason), as on the ranks of a tensor-parallel group."""
+    with the reason), as on the ranks of a tensor-parallel group. `max_loras`: LoRA adapters
+    held at once (0: none; a request naming one fails with the reason)."""
     backend = pick_backend(loaded, fake_step_ms)
     block_size = backend.block_size(block_size, loaded.device, loaded.cache_shape)
     if num_blocks is None:
@@ -81,6 +90,7 @@ def build_runner(
         num_blocks,
         block_size,
     )
+    lora = lora_set(backend, loaded, max_loras, metrics) if max_loras else None
     return ModelRunner(
         backend,
         cache,
@@ -98,7 +108,35 @@ def build_runner(
             grammar_compile_timeout,
             metrics,
         ),
+        lora=lora,
     )
+
+
+def lora_set(
+    backend: ForwardBackend, loaded: LoadedModel, max_loras: int, metrics: WorkerMetrics | None
+) -> LoraSet | None:
+    """Where `backend` can apply LoRA adapters: the set it applies (empty until a request
+    names one). None for the per-request fallback runners and simulated workers."""
+    dtype = loaded.cache_shape.dtype
+    if isinstance(backend, FastDecoderPass):
+        decoder = backend.decoder
+        ops = decoder.lora_ops
+        modules = {name: (op.in_features, out) for op in ops.values() for name, out in op.parts}
+        lora = LoraSet(max_loras, dtype, modules, ops)
+        decoder.lora = lora
+    elif isinstance(backend, TransformersPaged):
+        model = backend.model
+        modules = linear_modules(model)
+        lora = LoraSet(max_loras, dtype, modules, module_ops(modules))
+        lora.install = lambda: hook_modules(model, lora)
+    else:
+        return None
+    if metrics is not None:
+        lora.on_load = metrics.lora_loaded
+        lora.on_evict = metrics.lora_evicted
+        lora.on_request = lambda name: metrics.lora_requests.labels(name).inc()
+        lora.on_tokens = lambda name, count: metrics.lora_tokens.labels(name).inc(count)
+    return lora
 
 
 def ready_message(
@@ -129,4 +167,5 @@ def ready_message(
         attention=runner.attention,
         started_at=time.time() if started_at is None else started_at,
         step_tokens=step_budget.suggest(loaded.model, loaded.device, loaded.cache_shape.dtype),
+        max_loras=runner.lora.capacity if runner.lora is not None else 0,
     )

@@ -69,6 +69,8 @@ class WorkerService:
                 settings.grammar_compile_timeout if settings.num_shard == 1 else None
             ),
             metrics=self.metrics,
+            # tensor-parallel groups do not shard adapters yet: their requests fail, said why
+            max_loras=settings.max_loras if settings.num_shard == 1 else 0,
         )
         self.metrics.kv_blocks.set(self.runner.kv_cache.num_blocks)
         kernels = self.runner.kernels if self.runner.attention == FAST_DECODER else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.worker.grammar import RequestGrammar
-from shared.messages import FinishReason, NewRequest, SamplingParams, StoppingParams
+from shared.messages import AdapterRef, FinishReason, NewRequest, SamplingParams, StoppingParams
 
 
 @dataclass
@@ -30,6 +30,7 @@ class RequestState:
     num_steps: int = 0  # steps it took part in on this worker
     draft_ids: list[int] = field(default_factory=list)  # speculative proposals of this step
     grammar: RequestGrammar | None = None  # its constraint's matcher (services/worker/grammar.py)
+    adapter: AdapterRef | None = None  # its LoRA adapter (services/worker/lora.py); None: base
 
     @classmethod
     def from_new(cls, new: NewRequest) -> RequestState:
@@ -46,6 +47,7 @@ class RequestState:
             traceparent=new.traceparent,
             num_scheduled_tokens=new.num_scheduled_tokens,
             is_resumed=bool(new.generated_ids),
+            adapter=new.adapter,
         )
 
     @property

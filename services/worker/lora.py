@@ -1,0 +1,305 @@
+"""LoRA adapters in a worker: loaded from PEFT folders, held LRU, applied per request in one
+forward pass that mixes adapters and the base model.
+
+An adapted matmul computes `y = x W^T + s (x A^T) B^T` for the rows of requests using that
+adapter; W, the base weight, is never changed. Every matmul an adapter may touch is a
+`LoraOp`: one Linear module (transformers' modules), or a fused matmul of several (the fast
+decoder's q/k/v and gate/up), whose parts are column ranges of its output.
+
+The adapters held (`--max-loras`) are stacked per op, ranks zero-padded to the largest held
+(the Punica/S-LoRA layout, vLLM's CPU path does one gather per token instead):
+
+    A      [parts * slots * R, in]      shrink: t = x A^T           one matmul for all adapters
+    mask   [rows, parts, slots, R]      t *= 1 where the row's adapter is the slot, else 0
+    B_p    [slots * R, out_p]           expand: y[:, part p] += t_p B_p  (scale s folded in)
+
+so a step costs two matmuls and a multiply per op whatever its mix of adapters, and a step of
+base-model requests only costs nothing. Rows of the base model have an all-zero mask.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.state import RequestState
+from shared.messages import AdapterRef
+
+log = logging.getLogger(__name__)
+
+PEFT_PREFIX = "base_model.model."  # PEFT's tensor names start with it
+
+
+class AdapterLoadError(ValueError):
+    """An adapter this worker cannot load, with the reason for the request that named it."""
+
+
+@dataclass(frozen=True)
+class LoraOp:
+    """A base matmul adapters may add to."""
+
+    key: str  # unique name: the module's name, or the fused matmul's
+    parts: tuple[tuple[str, int], ...]  # (module name, out features) in output column order
+    in_features: int  # columns of its input
+
+
+@dataclass
+class Adapter:
+    """One loaded adapter: per module, A [r, in] and B [out, r] with the scale folded in."""
+
+    ref: AdapterRef
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name -> (A, s * B)
+    rank: int  # the largest rank of its modules
+
+
+def load_adapter(ref: AdapterRef, modules: dict[str, tuple[int, int]], dtype) -> Adapter:
+    """Read a PEFT LoRA folder; `modules`: the model's adaptable modules -> (in, out)."""
+    from peft import LoraConfig
+    from peft.utils import load_peft_weights
+    from peft.utils.other import get_pattern_key
+
+    try:
+        config = LoraConfig.from_pretrained(ref.path)
+        tensors = load_peft_weights(ref.path, device="cpu")
+    except Exception as exc:  # missing folder, bad JSON, unreadable safetensors
+        raise AdapterLoadError(f"cannot read LoRA adapter {ref.name!r}: {exc}") from exc
+    if getattr(config, "use_dora", False):
+        raise AdapterLoadError(f"LoRA adapter {ref.name!r} is a DoRA adapter (not supported)")
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        name = key.removeprefix(PEFT_PREFIX)
+        for kind in ("lora_A", "lora_B"):
+            suffix = f".{kind}.weight"
+            if name.endswith(suffix):
+                pairs.setdefault(name.removesuffix(suffix), {})[kind] = tensor
+                break
+        else:
+            raise AdapterLoadError(
+                f"LoRA adapter {ref.name!r} holds {key}: only lora_A/lora_B weights of linear "
+                "layers are supported"
+            )
+    weights = {}
+    for module, pair in pairs.items():
+        if module not in modules:
+            raise AdapterLoadError(
+                f"LoRA adapter {ref.name!r} adapts {module}, which is not a linear layer of "
+                "this model (is it an adapter of another base model?)"
+            )
+        if set(pair) != {"lora_A", "lora_B"}:
+            raise AdapterLoadError(f"LoRA adapter {ref.name!r} lacks A or B of {module}")
+        a, b = pair["lora_A"], pair["lora_B"]
+        rank = a.shape[0]
+        if a.shape != (rank, modules[module][0]) or b.shape != (modules[module][1], rank):
+            raise AdapterLoadError(
+                f"LoRA adapter {ref.name!r}: {module} has A {tuple(a.shape)} and B "
+                f"{tuple(b.shape)}, not of this model's ({modules[module][1]} x "
+                f"{modules[module][0]}) layer"
+            )
+        alpha_key = get_pattern_key(list(config.alpha_pattern or {}), module)
+        alpha = (config.alpha_pattern or {}).get(alpha_key, config.lora_alpha)
+        scale = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
+        weights[module] = (a.to(dtype).contiguous(), (b.float() * scale).to(dtype).contiguous())
+    if not weights:
+        raise AdapterLoadError(f"LoRA adapter {ref.name!r} holds no LoRA weights")
+    return Adapter(ref, weights, max(a.shape[0] for a, _ in weights.values()))
+
+
+@dataclass
+class Stack:
+    """One op's weights for the adapters held, in slot order."""
+
+    a: torch.Tensor  # [parts * slots * rank, in]
+    b: list[torch.Tensor]  # per part: [slots * rank, out_p]
+    offsets: list[tuple[int, int]]  # per part: (first output column, width)
+
+
+@dataclass
+class StepRows:
+    """Which rows of the packed step use which held adapter."""
+
+    mask: torch.Tensor  # [rows, slots] 1 where the row's adapter is the slot, else 0
+
+
+@dataclass
+class LoraSet:
+    """The adapters a worker group holds (at most `capacity`), and the step being computed."""
+
+    capacity: int  # --max-loras
+    dtype: torch.dtype  # of the stacked weights (the model's)
+    modules: dict[str, tuple[int, int]]  # adaptable module name -> (in, out)
+    ops: dict[str, LoraOp]  # op key -> op
+    on_load: Callable[[str, float], None] = lambda name, seconds: None  # metrics hooks
+    on_evict: Callable[[str], None] = lambda name: None
+    on_request: Callable[[str], None] = lambda name: None  # a request started with it
+    on_tokens: Callable[[str, int], None] = lambda name, count: None  # tokens it sampled
+    held: OrderedDict[str, Adapter] = field(default_factory=OrderedDict)  # id -> adapter, LRU
+    slot_of: dict[str, int] = field(default_factory=dict)  # adapter id -> its stacked slot
+    stacks: dict[str, Stack | None] = field(default_factory=dict)  # op key -> its stack
+    step: StepRows | None = None  # set for the forward pass of a step that uses an adapter
+    registered: set[str] | None = None  # ids still in the registry (None: not known yet)
+    rank: int = 0  # the stacked rank (largest held)
+    install: Callable[[], None] | None = None  # run before the first load (hooks the modules)
+
+    def acquire(self, ref: AdapterRef, in_use: set[str]) -> None:
+        """Hold `ref`'s adapter, loading it (and evicting the least recently used adapter no
+        live request uses) when it is not held. Raises AdapterLoadError."""
+        if ref.id in self.held:
+            self.held.move_to_end(ref.id)
+            return
+        self._evict(in_use, room_for=1)
+        if len(self.held) >= self.capacity:
+            raise AdapterLoadError(
+                f"LoRA adapter {ref.name!r}: all {self.capacity} adapter slots of this worker "
+                "group are in use by running requests (--max-loras)"
+            )
+        if self.install is not None:
+            self.install()
+            self.install = None
+        started = time.perf_counter()
+        adapter = load_adapter(ref, self.modules, self.dtype)
+        self.held[ref.id] = adapter
+        self._restack()
+        seconds = time.perf_counter() - started
+        log.info("loaded LoRA adapter %s (rank %d) in %.3f s", ref.name, adapter.rank, seconds)
+        self.on_load(ref.name, seconds)
+
+    def retain(self, in_use: set[str]) -> None:
+        """Drop adapters that left the registry once no live request uses them."""
+        if self.registered is not None:
+            self._evict(in_use, room_for=0)
+
+    def _evict(self, in_use: set[str], room_for: int) -> None:
+        gone = [i for i in self.held if self.registered is not None and i not in self.registered]
+        victims = [i for i in gone if i not in in_use]
+        for adapter_id in self.held:  # least recently used first
+            if len(self.held) - len(victims) + room_for <= self.capacity:
+                break
+            if adapter_id not in in_use and adapter_id not in victims:
+                victims.append(adapter_id)
+        for adapter_id in victims:
+            adapter = self.held.pop(adapter_id)
+            log.info("evicted LoRA adapter %s", adapter.ref.name)
+            self.on_evict(adapter.ref.name)
+        if victims:
+            self._restack()
+
+    def _restack(self) -> None:
+        self.slot_of = {adapter_id: slot for slot, adapter_id in enumerate(self.held)}
+        adapters = list(self.held.values())
+        self.rank = max((a.rank for a in adapters), default=0)
+        self.stacks = {key: self._stack(op, adapters) for key, op in self.ops.items()}
+
+    def _stack(self, op: LoraOp, adapters: list[Adapter]) -> Stack | None:
+        names = [name for name, _ in op.parts]
+        if not any(name in a.weights for a in adapters for name in names):
+            return None
+        slots, rank = len(adapters), self.rank
+        a = torch.zeros(len(names), slots, rank, op.in_features, dtype=self.dtype)
+        bs, offsets, column = [], [], 0
+        for p, (name, width) in enumerate(op.parts):
+            b = torch.zeros(slots, rank, width, dtype=self.dtype)
+            for slot, adapter in enumerate(adapters):
+                if name in adapter.weights:
+                    lora_a, lora_b = adapter.weights[name]
+                    a[p, slot, : lora_a.shape[0]] = lora_a
+                    b[slot, : lora_b.shape[1]] = lora_b.T
+            bs.append(b.view(slots * rank, width))
+            offsets.append((column, width))
+            column += width
+        return Stack(a.view(-1, op.in_features), bs, offsets)
+
+    def begin_step(self, segments: Iterable[tuple[str | None, int, int]], num_rows: int) -> None:
+        """The step's rows: (adapter id or None, first row, end row) per request. Its forward
+        pass applies them (`step` stays until the next step's call)."""
+        self.step = None
+        mask = None
+        for adapter_id, start, end in segments:
+            if adapter_id is None:
+                continue
+            if mask is None:
+                mask = torch.zeros(num_rows, len(self.held), dtype=self.dtype)
+            mask[start:end, self.slot_of[adapter_id]] = 1
+            self.held.move_to_end(adapter_id)  # LRU order; slots stay until a restack
+        if mask is not None:
+            self.step = StepRows(mask)
+
+    def add(self, key: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out += the step's adapters' share of op `key`. x: [rows, in], out: [rows, out]."""
+        step, stack = self.step, self.stacks.get(key)
+        if step is None or stack is None:
+            return
+        rows, slots = step.mask.shape
+        t = F.linear(x.to(self.dtype), stack.a)  # [rows, parts * slots * rank]
+        t = t.view(rows, len(stack.b), slots, self.rank).mul_(step.mask[:, None, :, None])
+        for p, (column, width) in enumerate(stack.offsets):
+            delta = t[:, p].reshape(rows, slots * self.rank) @ stack.b[p]
+            out[:, column : column + width] += delta.to(out.dtype)
+
+
+def linear_modules(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """The model's Linear layers (bitsandbytes' included) but its output head: name -> (in,
+    out). These are what PEFT adapters may target."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {
+        name: (module.in_features, module.out_features)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not head
+    }
+
+
+def hook_modules(model: torch.nn.Module, lora: LoraSet) -> None:
+    """Apply `lora` inside transformers' modules: a forward hook on each adaptable Linear adds
+    its adapters' share to the module's output (in place; the weights are untouched)."""
+    for name, module in model.named_modules():
+        if name not in lora.ops:
+            continue
+
+        def hook(_module, args, output, key=name):
+            if lora.step is not None:
+                x = args[0]
+                lora.add(key, x.reshape(-1, x.shape[-1]), output.view(-1, output.shape[-1]))
+
+        module.register_forward_hook(hook)
+
+
+def module_ops(modules: dict[str, tuple[int, int]]) -> dict[str, LoraOp]:
+    """One op per Linear module (transformers' modules run each on its own)."""
+    return {name: LoraOp(name, ((name, out),), in_) for name, (in_, out) in modules.items()}
+
+
+def hold_adapters(
+    lora: LoraSet | None, scheduled: list[RequestState], requests: dict[str, RequestState]
+) -> list[tuple[RequestState, str]]:
+    """Hold the adapters of a step's new requests (`requests`: every request the worker holds,
+    the step's new ones included); each request whose adapter cannot be held leaves
+    `scheduled` and `requests`, returned with the reason."""
+    wanting = [s for s in scheduled if s.adapter is not None and s.num_steps == 0]
+    if not wanting and (lora is None or lora.registered is None):
+        return []
+    in_use = {s.adapter.id for s in requests.values() if s.adapter is not None}
+    refused = []
+    for state in wanting:
+        assert state.adapter is not None
+        try:
+            if lora is None:
+                raise AdapterLoadError(
+                    "this worker group cannot apply LoRA adapters (tensor-parallel groups, "
+                    "per-request fallback runners and simulated workers do not)"
+                )
+            lora.acquire(state.adapter, in_use)
+            lora.on_request(state.adapter.name)
+        except AdapterLoadError as exc:
+            log.warning("request %s refused: %s", state.request_id, exc)
+            refused.append((state, str(exc)))
+            scheduled.remove(state)
+            del requests[state.request_id]
+    if lora is not None:
+        lora.retain(in_use)
+    return refused

@@ -1,0 +1,164 @@
+"""LoRA adapters in the worker: each request's greedy output equals transformers + PEFT with its
+adapter, alone and in one batch that mixes three adapters and the base model, on the fast CPU
+decoder (Llama, fused q/k/v and gate/up) and on transformers' own modules (Llama without the
+kernels, GPT-NeoX's fused query_key_value)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as T
+
+from services.engine import Engine
+from services.worker.loader import load_model
+from shared.adapters import make_ref
+from shared.messages import AdapterRef
+from tests.support.tiny_models import make_tiny_llama, train_tokenizer
+
+PROMPTS = [[1, 17, 40, 9, 33], [1, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95]]
+NEW_TOKENS = 10
+# (name, peft LoraConfig arguments): ranks, targets, alpha and rsLoRA scaling all differ
+ADAPTERS = {
+    "llama": [
+        ("attn", dict(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"])),
+        ("mlp", dict(r=8, lora_alpha=8, target_modules=["gate_proj", "down_proj", "o_proj"])),
+        (
+            "all",
+            dict(
+                r=2,
+                lora_alpha=4,
+                use_rslora=True,
+                target_modules="all-linear",
+                rank_pattern={"up_proj": 6},
+                alpha_pattern={"k_proj": 12},
+            ),
+        ),
+    ],
+    "gpt_neox": [
+        ("qkv", dict(r=4, lora_alpha=16, target_modules=["query_key_value"])),
+        ("mlp", dict(r=8, lora_alpha=8, target_modules=["dense_h_to_4h", "dense_4h_to_h"])),
+        ("all", dict(r=2, lora_alpha=4, use_rslora=True, target_modules="all-linear")),
+    ],
+}
+
+
+def make_neox(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    vocab_size = train_tokenizer(folder)
+    config = T.GPTNeoXConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    T.AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
+    return folder
+
+
+def make_adapters(base: Path, folder: Path, specs) -> dict[str, AdapterRef]:
+    """Random adapters (B not zero: each changes the output) saved as PEFT folders."""
+    from peft import LoraConfig, get_peft_model
+
+    refs = {}
+    for seed, (name, kwargs) in enumerate(specs):
+        torch.manual_seed(100 + seed)
+        model = T.AutoModelForCausalLM.from_pretrained(base)
+        config = LoraConfig(init_lora_weights=False, **kwargs)
+        peft_model = get_peft_model(model, config)
+        peft_model.save_pretrained(folder / name)
+        refs[name] = make_ref(name, str(folder / name), max_rank=64)
+    return refs
+
+
+def reference(base: Path, adapter: AdapterRef | None) -> list[list[int]]:
+    """transformers' greedy generate, with PEFT applying the adapter."""
+    from peft import PeftModel
+
+    model = T.AutoModelForCausalLM.from_pretrained(base).eval()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter.path).eval()
+    outputs = []
+    for ids in PROMPTS:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=torch.tensor([ids]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+        outputs.append(out[0, len(ids) :].tolist())
+    return outputs
+
+
+@pytest.fixture(scope="module", params=["llama-fast", "llama-modules", "gpt_neox"])
+def setup(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    arch = "gpt_neox" if request.param == "gpt_neox" else "llama"
+    base = make_neox(root / "base") if arch == "gpt_neox" else make_tiny_llama(root / "base")
+    refs = make_adapters(base, root / "adapters", ADAPTERS[arch])
+    expected = {name: reference(base, ref) for name, ref in refs.items()}
+    expected[""] = reference(base, None)
+    loaded = load_model(str(base), cpu_kernels=request.param != "llama-modules")
+    assert (loaded.decoder is not None) == (request.param == "llama-fast")
+    return loaded, refs, expected
+
+
+def run(loaded, jobs: list[tuple[str, list[int]]], refs, max_loras=4, engine=None):
+    engine = engine or Engine(loaded, num_blocks=128, max_loras=max_loras)
+    ids = [
+        engine.add(prompt, NEW_TOKENS, adapter=refs.get(name), stop_token_ids=[])
+        for name, prompt in jobs
+    ]
+    engine.run()
+    return engine, [engine.take(i).token_ids for i in ids]
+
+
+def test_each_adapter_alone_equals_peft(setup):
+    loaded, refs, expected = setup
+    for name in ["", *refs]:
+        _, outputs = run(loaded, [(name, p) for p in PROMPTS], refs)
+        assert outputs == expected[name], name
+    # every adapter changes the output: the comparison above tests the adapters
+    assert all(expected[name] != expected[""] for name in refs)
+
+
+def test_one_batch_mixes_three_adapters_and_the_base_model(setup):
+    loaded, refs, expected = setup
+    jobs = [(name, p) for p in PROMPTS for name in ["", *refs]]
+    engine, outputs = run(loaded, jobs, refs)
+    for (name, prompt), output in zip(jobs, outputs, strict=True):
+        assert output == expected[name][PROMPTS.index(prompt)], name
+    assert max(engine.stats.step_sizes) == len(jobs)  # all in one batch
+
+
+def test_more_adapters_than_slots_take_turns(setup):
+    """Two slots for three adapters: the scheduler never mixes more than two in a step, the
+    worker evicts the least recently used, and every output still equals PEFT's."""
+    loaded, refs, expected = setup
+    jobs = [(name, PROMPTS[0]) for name in refs]
+    engine, outputs = run(loaded, jobs, refs, max_loras=2)
+    assert outputs == [expected[name][0] for name in refs]
+    lora = engine.runner.lora
+    assert lora is not None and len(lora.held) == 2
+
+
+def test_an_unreadable_adapter_fails_its_request_alone(setup, tmp_path):
+    loaded, refs, expected = setup
+    missing = AdapterRef(name="gone", path=str(tmp_path / "nothing"), id="gone-1")
+    engine = Engine(loaded, num_blocks=128)
+    bad = engine.add(PROMPTS[0], NEW_TOKENS, adapter=missing)
+    good = engine.add(PROMPTS[0], NEW_TOKENS, adapter=next(iter(refs.values())))
+    engine.run()
+    with pytest.raises(RuntimeError, match="cannot read LoRA adapter 'gone'"):
+        engine.take(bad)
+    assert engine.take(good).token_ids == next(iter(expected.values()))[0]
+    assert engine.scheduler.blocks.num_free_blocks == 128
