@@ -30,6 +30,12 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 
 
+def base_model_names(model_id: str) -> tuple[str, ...]:
+    """What selects the base model, so no adapter may be named so: nothing, TGI's "tgi", the
+    served model's id."""
+    return ("", "tgi", model_id)
+
+
 class AdapterError(ValueError):
     """An adapter that cannot be registered, with the reason for the client or operator."""
 
@@ -138,6 +144,9 @@ class AdapterRegistry:
     async def all(self) -> list[AdapterRef]:
         entries = await self.redis.hgetall(self.key)
         return sorted((decode(v, AdapterRef) for v in entries.values()), key=lambda r: r.name)
+
+    async def count(self) -> int:
+        return int(await self.redis.hlen(self.key))
 
     async def add(self, ref: AdapterRef) -> bool:
         """Register `ref` unless its name is taken: False then."""

@@ -7,6 +7,7 @@ Redis being down does not stop the app: generation answers 503 and the subscript
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -18,8 +19,10 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.openai import models as openai_models
 from services.gateway.openai import routes as openai_routes
 from services.gateway.openapi.routes import describe_routes
+from services.gateway.pipeline.adapters import register_startup
 from services.gateway.pipeline.chat_template import ChatTemplate
 from services.gateway.pipeline.generation import Generator
 from services.gateway.pipeline.replies import ReplyRouter
@@ -29,6 +32,7 @@ from services.gateway.tgi import compat as compat_routes
 from services.gateway.tgi import info as info_routes
 from services.gateway.tgi import routes as tgi_routes
 from services.gateway.tgi.validation import Limits
+from shared.adapters import base_model_names, startup_refs
 from shared.bus import connect, redact_url
 from shared.channels import Channels
 from shared.model_files import TOKENIZER_FILES, context_length, resolve_model_dir
@@ -66,6 +70,10 @@ def build_state(settings: Settings) -> GatewayState:
         chat_template=ChatTemplate.from_folder(folder, tokenizer.config),
         compute_type=os.environ.get("COMPUTE_TYPE", "gpu+optimized"),
         version=package_version(),
+        # checked now: a bad --lora-adapters stops the gateway before it serves
+        startup_adapters=startup_refs(
+            settings.lora_adapters, settings.max_lora_rank, base_model_names(settings.model_id)
+        ),
     )
 
 
@@ -95,6 +103,9 @@ def create_app(settings: Settings) -> FastAPI:
             settings.max_queue_wait,
         )
         await state.router.start()
+        registering = None
+        if state.startup_adapters:
+            registering = asyncio.create_task(register_startup(state, state.startup_adapters))
         if not await state.router.wait_subscribed(timeout=2.0):
             log.warning(
                 "Redis at %s unreachable; answering 503 until it is back",
@@ -109,6 +120,8 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             yield
         finally:
+            if registering is not None:
+                registering.cancel()
             await state.generator.drain()
             await state.router.stop()
             await state.client.aclose()
@@ -118,6 +131,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(tgi_routes.router)
     app.include_router(info_routes.router)
     app.include_router(openai_routes.router)
+    app.include_router(openai_models.router)
     app.include_router(compat_routes.router)
     describe_routes(app)
     return app

@@ -31,6 +31,8 @@ class GatewayMetrics:
         self.num_unauthorized = 0  # requests refused for a missing or wrong --api-key
         self.num_constrained: Counter[str] = Counter()  # constrained requests by kind
         self.num_tool_calls: Counter[str] = Counter()  # tool calls answered by tool_choice mode
+        self.num_adapter_requests: Counter[str] = Counter()  # requests admitted per LoRA adapter
+        self.num_unknown_adapters = 0  # requests naming an adapter nobody registered
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(name, doc, buckets=buckets, registry=self.registry)
@@ -134,4 +136,17 @@ class GatewayMetrics:
         ]
         for mode in sorted(self.num_tool_calls):
             lines.append(f'textgen_tool_calls{{mode="{mode}"}} {self.num_tool_calls[mode]}')
+        lines += [
+            "# HELP textgen_adapter_requests requests that selected a LoRA adapter, by adapter",
+            "# TYPE textgen_adapter_requests counter",
+        ]
+        for name in sorted(self.num_adapter_requests):
+            count = self.num_adapter_requests[name]
+            lines.append(f'textgen_adapter_requests{{adapter="{name}"}} {count}')
+        lines += [
+            "# HELP textgen_unknown_adapter_requests requests naming an unregistered adapter "
+            "(404 on OpenAI routes while adapters are served, else the base model answers)",
+            "# TYPE textgen_unknown_adapter_requests counter",
+            f"textgen_unknown_adapter_requests {self.num_unknown_adapters}",
+        ]
         return ("\n".join(lines) + "\n").encode() + generate_latest(self.registry)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
@@ -13,7 +13,9 @@ from services.gateway.pipeline.generation import Generator
 from services.gateway.pipeline.replies import ReplyRouter
 from services.gateway.pipeline.tokenizer import TextTokenizer
 from services.gateway.tgi.validation import Limits
+from shared.adapters import AdapterRegistry
 from shared.channels import Channels
+from shared.messages import AdapterRef
 from shared.settings import Settings
 
 
@@ -29,6 +31,7 @@ class GatewayState:
     chat_template: ChatTemplate | None = None  # None: the model has none (chat answers 422)
     compute_type: str = "gpu+optimized"
     version: str = "0.1.0"
+    startup_adapters: list[AdapterRef] = field(default_factory=list)  # --lora-adapters, checked
     # set by the lifespan once the event loop runs
     client: aioredis.Redis | None = None
     router: ReplyRouter | None = None
@@ -43,3 +46,7 @@ class GatewayState:
         """The Generator; routes only run once the lifespan built it."""
         assert self.generator is not None, "the app's lifespan builds the Generator"
         return self.generator
+
+    def adapters(self) -> AdapterRegistry:
+        """The LoRA adapter registry every gateway shares (in Redis)."""
+        return AdapterRegistry(self.redis(), self.channels)

@@ -24,6 +24,7 @@ from services.worker.quantization import QuantizationError
 from services.worker.runtime import build_runner
 from services.worker.service import WorkerService
 from shared import aio
+from shared.adapters import AdapterError
 from shared.bus import connect, wait_for_redis
 from shared.openmp import cpu_list, move_to_io_cpus
 from shared.ops_server import OpsServer
@@ -138,5 +139,5 @@ def run(settings: Settings) -> None:
             follow_rank_0(settings, rank)
             return
         aio.run(serve(settings))
-    except (UnsupportedModel, QuantizationError) as exc:
+    except (UnsupportedModel, QuantizationError, AdapterError) as exc:
         raise SystemExit(f"textgen worker: {exc}") from exc

@@ -26,10 +26,11 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.runner import StepOutcome
 from services.worker.runtime import build_runner, ready_message
 from services.worker.step_link import BLOCK_MS, STOPPING_BLOCK_MS, Command, StepLink, xadd
+from shared.adapters import AdapterRegistry, base_model_names, startup_refs
 from shared.bus import FIELD, REDIS_ERRORS, entry_message, stream_fields
 from shared.channels import DEAD_LETTERS_MAXLEN, Channels
-from shared.codec import encode
-from shared.messages import Heartbeat, ReplyBatch, StepPlan, WorkerReady
+from shared.codec import decode, encode
+from shared.messages import AdapterRef, Heartbeat, ReplyBatch, StepPlan, WorkerReady
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,10 @@ class WorkerService:
             max_loras=settings.max_loras if settings.num_shard == 1 else 0,
         )
         self.metrics.kv_blocks.set(self.runner.kv_cache.num_blocks)
+        # --lora-adapters, checked now (a bad one stops the worker), registered in announce()
+        self.startup_adapters = startup_refs(
+            settings.lora_adapters, settings.max_lora_rank, base_model_names(settings.model_id)
+        )
         kernels = self.runner.kernels if self.runner.attention == FAST_DECODER else None
         instruction_set = kernels.level if kernels is not None else ""
         self.metrics.attention.labels(self.runner.attention, instruction_set).set(1)
@@ -101,6 +106,8 @@ class WorkerService:
         """Drop stale plans, then publish capacity: from here on the scheduler may plan."""
         channels = self.channels
         await self.redis.delete(channels.steps(self.group))
+        if self.startup_adapters:
+            await AdapterRegistry(self.redis, channels).register_startup(self.startup_adapters)
         await self._beat()
         log.info(
             "worker group %s ready: %d blocks of %d tokens",
@@ -276,7 +283,12 @@ class WorkerService:
             pipe.set(self.channels.worker(self.group), self._ready_bytes)
             pipe.sadd(self.channels.groups, self.group)
             pipe.set(self.channels.heartbeat(self.group), encode(beat), ex=HEARTBEAT_TTL_S)
-            await pipe.execute()
+            if self.runner.lora is not None:
+                pipe.hgetall(self.channels.adapters)
+            replies = await pipe.execute()
+        if self.runner.lora is not None:  # adapters unregistered since are dropped when unused
+            registered = [decode(data, AdapterRef) for data in replies[-1].values()]
+            self.runner.lora.registered = {ref.id for ref in registered}
 
     async def _heartbeat_loop(self) -> None:
         while True:

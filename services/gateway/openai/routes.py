@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
+"""The OpenAI-compatible routes: POST /v1/chat/completions, POST /v1/completions (GET
+/v1/models and the LoRA adapter routes are in models.py).
 
 A request is admitted whole before any answer starts: its shape, the OpenAI rules (n, best_of,
 echo, logprobs, logit_bias), the chat template, TGI's parameter validation and length rules
@@ -58,6 +59,7 @@ from services.gateway.openai.tools import (
     tool_error,
     with_tool_prompt,
 )
+from services.gateway.pipeline.adapters import resolve as resolve_adapter
 from services.gateway.pipeline.admission import Admitted, admit
 from services.gateway.pipeline.auth import is_authorized
 from services.gateway.pipeline.body import BodyError, read_json
@@ -74,6 +76,7 @@ from services.gateway.tgi.formatting import (
 )
 from services.gateway.tgi.routes import KEEPALIVE_S, Answer, gateway, until_disconnect
 from services.gateway.tgi.schemas import GenerateParameters
+from shared.messages import AdapterRef
 
 log = logging.getLogger(__name__)
 SERVED_MODEL_ALIASES = (None, "tgi")  # `model` values that mean "the served model"
@@ -150,6 +153,7 @@ async def admit_openai(
     extra: OpenAISampling,
     arrived_at: float,
     ignore_eos: bool = False,
+    adapter: AdapterRef | None = None,
 ) -> Admitted:
     """The request through the one admission path (services/gateway/pipeline/admission.py); a chat
     prompt without added special tokens (its template wrote them)."""
@@ -162,6 +166,7 @@ async def admit_openai(
         sampling_overrides=dataclasses.asdict(extra),
         response_id=meta.id,
         ignore_eos=ignore_eos,
+        adapter=adapter,
     )
     num = len(admitted.generations)
     state.metrics.openai_generations.labels(route).observe(num)
@@ -227,6 +232,7 @@ async def answer_chat(
     state.metrics.request_started()  # TGI counts a chat request, then its generation (quirk)
     meta = envelope(state, body.model, arrived_at, "chatcmpl", wants_usage_chunk(body))
     with failures_counted(state):
+        adapter = await resolve_adapter(state, body.model, strict=True)
         fanout = check_chat_request(body)
         plan = plan_tools(body)
         constraint = body_constraint(body)
@@ -241,7 +247,16 @@ async def answer_chat(
         )
         params = fanout.choice_parameters(chat_parameters(body))
         admitted = await admit_openai(
-            state, "chat", meta, fanout, [prompt], params, extra, arrived_at, body.ignore_eos
+            state,
+            "chat",
+            meta,
+            fanout,
+            [prompt],
+            params,
+            extra,
+            arrived_at,
+            body.ignore_eos,
+            adapter,
         )
     generations, held = admitted.generations, admitted.held
     stop, has_logprobs = generations[0].params.stop, bool(body.logprobs)
@@ -292,9 +307,13 @@ async def answer_completions(
     state: GatewayState, request: Request, body: CompletionBody, arrived_at: float
 ) -> Response:
     state.metrics.request_started()  # TGI counts the request, then each generation (quirk)
-    meta = envelope(state, None, arrived_at, "cmpl", wants_usage_chunk(body))  # the served id
     prompts = body.prompts
     with failures_counted(state):
+        adapter = await resolve_adapter(state, body.model, strict=True)
+        # the served id, or the adapter's name
+        meta = envelope(
+            state, adapter and adapter.name, arrived_at, "cmpl", wants_usage_chunk(body)
+        )
         fanout = check_completion_request(body, state.settings.max_client_batch_size)
         extra = openai_sampling(
             body.presence_penalty,
@@ -304,7 +323,16 @@ async def answer_completions(
         )
         params = fanout.choice_parameters(completion_parameters(body))
         admitted = await admit_openai(
-            state, "completions", meta, fanout, prompts, params, extra, arrived_at, body.ignore_eos
+            state,
+            "completions",
+            meta,
+            fanout,
+            prompts,
+            params,
+            extra,
+            arrived_at,
+            body.ignore_eos,
+            adapter,
         )
     generations, held = admitted.generations, admitted.held
     num_characters = sum(len(prompt) for prompt in prompts)
@@ -337,18 +365,3 @@ async def answer_completions(
     headers = summed_headers(ended, state.compute_type, num_characters)
     answer = meta.answer("text_completion", choices, summed_usage(firsts, ended))
     return JSONResponse(answer, headers=headers)
-
-
-# --- models ----------------------------------------------------------------------------------
-
-
-@router.get("/v1/models")
-async def models(request: Request) -> JSONResponse:
-    """The served model, OpenAI-style (not protected by --api-key, as in TGI)."""
-    model_id = gateway(request).settings.model_id
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": model_id}],
-        }
-    )

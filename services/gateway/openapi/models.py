@@ -260,6 +260,8 @@ class Model(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str | None = None  # a LoRA adapter's folder
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

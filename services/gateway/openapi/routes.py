@@ -10,6 +10,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from pydantic import BaseModel, RootModel
 
+from services.gateway.openai.models import LoadAdapterBody, UnloadAdapterBody
 from services.gateway.openai.schemas import ChatBody, CompletionBody
 from services.gateway.openapi import models as out
 from services.gateway.openapi.document import TEXT, Operation, answer, describe, json_of, sse_of
@@ -49,6 +50,20 @@ def tgi_json(ok: dict, *, generates: bool = True) -> dict[str, dict]:
             "503": answer("Redis or the workers are unreachable", TGI_ERROR),
         }
     return responses
+
+
+def adapter_responses(success: str) -> dict[str, dict]:
+    return {
+        "200": answer(success, TEXT),
+        "400": answer(
+            "Not JSON, the wrong shape, or an adapter that cannot be served", OPENAI_ERROR
+        ),
+        "401": answer("Missing or wrong API key (--api-key)", OPENAI_ERROR),
+        "404": answer("Unload: no adapter of that name", OPENAI_ERROR),
+        "413": answer(TOO_LARGE, OPENAI_ERROR),
+        "415": answer(NOT_JSON_TYPE, OPENAI_ERROR),
+        "503": answer("Redis is unreachable", OPENAI_ERROR),
+    }
 
 
 def tgi_stream(ok: dict) -> dict[str, dict]:
@@ -166,8 +181,21 @@ OPERATIONS = {
         "OpenAI completions (one prompt or a list)", openai_responses(COMPLETIONS), CompletionBody
     ),
     ("get", "/v1/models"): Operation(
-        "OpenAI model list (the served model)",
-        {"200": answer("The served model", json_of(out.ModelList))},
+        "OpenAI model list: the served model, then each LoRA adapter",
+        {
+            "200": answer("The served model and its adapters", json_of(out.ModelList)),
+            "503": answer("Redis is unreachable", OPENAI_ERROR),
+        },
+    ),
+    ("post", "/v1/load_lora_adapter"): Operation(
+        "Register a LoRA adapter (a PEFT folder) for every gateway and worker group (vLLM's)",
+        adapter_responses("Success: LoRA adapter 'NAME' added successfully."),
+        LoadAdapterBody,
+    ),
+    ("post", "/v1/unload_lora_adapter"): Operation(
+        "Unregister a LoRA adapter (vLLM's); running requests finish with it",
+        adapter_responses("Success: LoRA adapter 'NAME' removed successfully."),
+        UnloadAdapterBody,
     ),
     ("get", "/info"): Operation("Model and limits", {"200": answer("Info", json_of(out.Info))}),
     ("get", "/metrics"): Operation(

@@ -23,6 +23,7 @@ from services.gateway.pipeline.results import Prepared
 from services.gateway.pipeline.tokenizer import TokenizerError
 from services.gateway.tgi.schemas import GenerateParameters
 from services.gateway.tgi.validation import ValidatedParameters, check_lengths, validate_parameters
+from shared.messages import AdapterRef
 
 if TYPE_CHECKING:
     from services.gateway.state import GatewayState
@@ -76,11 +77,13 @@ async def admit(
     sampling_overrides: dict[str, Any] | None = None,
     response_id: str = "",
     ignore_eos: bool = False,
+    adapter: AdapterRef | None = None,
 ) -> Admitted:
     """One generation per prompt and entry of `choice_params`; raises GatewayError (the slots
     taken are given back). `add_special_tokens`: False for chat prompts, whose template wrote
     them; `sampling_overrides`: SamplingParams fields a dialect sets beyond TGI's parameters;
-    `ignore_eos`: generate until max_new_tokens (vLLM's extension, for benchmarks)."""
+    `ignore_eos`: generate until max_new_tokens (vLLM's extension, for benchmarks);
+    `adapter`: the LoRA adapter every generation applies (pipeline/adapters.py resolves it)."""
     held = state.admission.hold(len(prompts) * len(choice_params))
     try:
         generations: list[Prepared] = []
@@ -94,6 +97,7 @@ async def admit(
             first = await prepare(
                 state, prompt, validated[0], arrived_at, add_special_tokens, response_id
             )
+            first.adapter = adapter
             constraint = first.params.sampling.constraint
             await check_constraint(constraint, not state.settings.disable_grammar_support)
             generations += [first] + [dataclasses.replace(first, params=v) for v in validated[1:]]

@@ -173,6 +173,7 @@ class Generator:
             deadline=created_at + self.request_timeout,
             priority=prepared.params.priority,
             traceparent=traceparent,
+            adapter=prepared.adapter,
         )
 
     async def _send(self, message: GenerateRequest) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.gateway.tgi.validation import ValidatedParameters
-from shared.messages import FinishReason
+from shared.messages import AdapterRef, FinishReason
 
 
 @dataclass
@@ -63,3 +63,4 @@ class Prepared:
     max_new_tokens: int
     arrived_at: float  # unix s the HTTP request arrived
     response_id: str = ""  # the OpenAI answer it is a choice of ("" on TGI routes)
+    adapter: AdapterRef | None = None  # the LoRA adapter it selected; None: the base model

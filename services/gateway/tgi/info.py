@@ -86,6 +86,11 @@ async def info(request: Request) -> JSONResponse:
     state = gateway(request)
     settings, limits = state.settings, state.limits
     worker = await any_worker(state)
+    try:
+        adapters = [ref.name for ref in await state.adapters().all()]
+    except (RedisError, OSError, TimeoutError) as exc:
+        log.debug("/info: Redis unreachable: %s", exc)
+        adapters = None
     return JSONResponse(
         {
             "model_id": settings.model_id,
@@ -132,6 +137,10 @@ async def info(request: Request) -> JSONResponse:
             "speculate": worker.num_speculative_tokens if worker else None,
             "speculate_constrained": False,
             "tool_call_parser": settings.tool_call_parser,
+            # LoRA adapters registered (select with `model` or `adapter_id`), null while Redis
+            # is unreachable; each worker group holds up to max_loras of them at once
+            "lora_adapters": adapters,
+            "max_loras": worker.max_loras if worker else None,
         }
     )
 

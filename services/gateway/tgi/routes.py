@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from services.gateway.pipeline.adapters import resolve as resolve_adapter
 from services.gateway.pipeline.admission import admit
 from services.gateway.pipeline.auth import is_authorized
 from services.gateway.pipeline.body import read_json
@@ -100,7 +101,10 @@ async def run_generate(
     params = body.parameters
     try:
         best_of = check_gates(params, state.limits, is_stream=False)
-        admitted = await admit(state, [body.inputs], [params] * best_of, arrived_at)
+        adapter = await resolve_adapter(state, params.adapter_id, strict=False)
+        admitted = await admit(
+            state, [body.inputs], [params] * best_of, arrived_at, adapter=adapter
+        )
         try:
             runs = [collect(state.generations().stream(p)) for p in admitted.generations]
             results = await until_disconnect(request, gather_or_fail(runs))
@@ -152,7 +156,8 @@ async def sse_events(
     params = body.parameters
     try:
         check_gates(params, state.limits, is_stream=True)
-        admitted = await admit(state, [body.inputs], [params], arrived_at)
+        adapter = await resolve_adapter(state, params.adapter_id, strict=False)
+        admitted = await admit(state, [body.inputs], [params], arrived_at, adapter=adapter)
         try:
             (prepared,) = admitted.generations
             full_text = shows_full_text(prepared.params, default_full_text)

@@ -148,11 +148,6 @@ def validate_parameters(
             param="truncate",
         )
     constraint = tgi_grammar(params.grammar)  # checked once the prompt's length is (admit)
-    if params.adapter_id is not None:
-        raise ValidationError(
-            f"adapter_id {params.adapter_id!r} is not supported: this server loads no adapters",
-            param="adapter_id",
-        )
     return ValidatedParameters(
         sampling=SamplingParams(
             do_sample=sampling,
