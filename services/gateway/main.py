@@ -7,7 +7,6 @@ import math
 import uvicorn
 
 from services.gateway.app import create_app
-from shared.adapters import AdapterError
 from shared.settings import Settings
 from shared.telemetry import setup_logging, setup_tracing
 
@@ -16,10 +15,7 @@ def run(settings: Settings) -> None:
     """Start the gateway on settings.hostname:settings.port (blocks until stopped)."""
     setup_logging("gateway", settings.log_level, settings.json_output)
     setup_tracing("gateway", settings.otlp_endpoint)
-    try:
-        app = create_app(settings)
-    except AdapterError as exc:
-        raise SystemExit(f"textgen gateway: {exc}") from exc
+    app = create_app(settings)
     uvicorn.run(
         app,
         host=settings.hostname,

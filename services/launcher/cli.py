@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shared.adapters import AdapterError
 from shared.model_files import ModelNotFound
 from shared.settings import add_settings_flags, describe_invalid, settings_from_args
 from shared.telemetry import setup_logging
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.command, settings.log_level, settings.json_output)
     try:
         return run_command(args.command, settings, argv[1:])
-    except ModelNotFound as exc:  # a user's mistake or no network: one line, no traceback
+    except (ModelNotFound, AdapterError) as exc:  # a user's mistake: one line, no traceback
         print(f"textgen {args.command}: {exc}", file=sys.stderr, flush=True)
         return 2
 

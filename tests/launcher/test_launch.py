@@ -348,3 +348,53 @@ def test_launch_with_grammar_flags(tiny_llama):
     finally:
         process.terminate()
         process.wait(timeout=60)
+
+
+def test_launch_with_lora_flags(tiny_llama, tmp_path):
+    """TGI's LORA_ADAPTERS environment form, --max-loras and --max-lora-rank reach the
+    services: the adapter answers by name, /info shows one slot, and a rank above the limit
+    is refused at run time."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    for name, rank in (("small", 4), ("large", 16)):
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+        config = LoraConfig(r=rank, target_modules=["q_proj"], init_lora_weights=False)
+        get_peft_model(model, config).save_pretrained(tmp_path / name)
+    port = free_port()
+    os.environ["LORA_ADAPTERS"] = f"small={tmp_path / 'small'}"
+    try:
+        process = launch(tiny_llama, port, "--max-loras", "1", "--max-lora-rank", "8")
+    finally:
+        del os.environ["LORA_ADAPTERS"]
+    try:
+        wait_for_line(process, "textgen is ready", timeout=120)
+        base = f"http://127.0.0.1:{port}"
+        body = {"model": "small", "prompt": "the cat", "max_tokens": 3}
+        answer = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert answer.status_code == 200 and answer.json()["model"] == "small"
+        info = httpx.get(f"{base}/info", timeout=10).json()
+        assert info["lora_adapters"] == ["small"] and info["max_loras"] == 1
+        load = {"lora_name": "large", "lora_path": str(tmp_path / "large")}
+        refused = httpx.post(f"{base}/v1/load_lora_adapter", json=load, timeout=30)
+        assert refused.status_code == 400
+        assert "rank 16 is above --max-lora-rank 8" in refused.json()["error"]["message"]
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def test_launch_refuses_a_bad_lora_adapter_in_one_line(tiny_llama, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "services.launcher.cli", "launch", "--model-id", str(tiny_llama)]
+        + ["--lora-adapters", f"x={tmp_path}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in out.stderr + out.stdout, out.stderr
+    expected = f"no adapter_config.json in {str(tmp_path)!r} (adapters load from local folders)"
+    assert lines[0] == f"textgen launch: {expected}"
