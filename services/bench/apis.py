@@ -33,7 +33,7 @@ class Api:
     def body(self, case: Case) -> dict:
         if self.name == "openai":
             return {
-                "model": self.model,
+                "model": case.adapter or self.model,
                 "prompt": case.prompt,
                 "max_tokens": case.max_new_tokens,
                 "temperature": 0,
@@ -44,6 +44,8 @@ class Api:
         parameters: dict = {"max_new_tokens": case.max_new_tokens, "details": True}
         if case.grammar is not None:
             parameters["grammar"] = case.grammar
+        if case.adapter is not None:
+            parameters["adapter_id"] = case.adapter
         return {"inputs": case.prompt, "parameters": parameters}
 
     def record(self, record: RequestRecord, payload: dict, at: float) -> None:

@@ -145,6 +145,23 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
         "ceiling then compute on CPUS too, and the load generator runs on the others",
     )
     parser.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="N",
+        help="spread the requests over N random LoRA adapters of the model (built once beside "
+        "it; the launched server registers them with --max-loras N)",
+    )
+    parser.add_argument(
+        "--lora-rank", type=int, default=16, metavar="R", help="rank of the --lora adapters"
+    )
+    parser.add_argument(
+        "--compare-lora",
+        action="store_true",
+        help="with --lora: the same levels on the base model alone, and on a second server "
+        "with --max-loras 1 (one adapter per step); throughput ratios",
+    )
+    parser.add_argument(
         "--launch-arg",
         action="append",
         default=[],

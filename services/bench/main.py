@@ -22,7 +22,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from services.bench import cpu
+from services.bench import cpu, lora
 from services.bench.arrivals import poisson_arrivals
 from services.bench.client import LevelRun, run_closed_loop, run_open_loop
 from services.bench.constrained import compare as compare_constrained
@@ -234,6 +234,10 @@ def _check_args(args: argparse.Namespace) -> str | None:
             "--api openai reads no token ids nor grammars: drop --compare-transformers and "
             "--constrained-share"
         )
+    if args.compare_lora and (not args.lora or args.url):
+        return "--compare-lora launches its servers with --lora adapters: add --lora N, drop --url"
+    if args.lora < 0 or args.lora_rank < 1:
+        return "--lora must be >= 0 and --lora-rank >= 1"
     if args.rounds < 1:
         return f"--rounds must be at least 1, got {args.rounds}"
     if args.rounds > 1:
@@ -263,6 +267,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         model_dir = resolve_model_dir(args.model_id)
     cases, workload = build_workload(args, model_dir)
+    base_cases = cases
+    if args.lora:
+        folders = lora.adapter_folders(model_dir, args.lora, args.lora_rank)
+        if not args.url:
+            args.launch_arg = [*args.launch_arg, *lora.launch_args(folders, args.lora)]
+        cases = lora.spread(cases, sorted(folders))
+        workload += f", spread over {args.lora} LoRA adapters of rank {args.lora_rank}"
     if args.speculate:
         args.launch_arg = [*args.launch_arg, "--speculate", str(args.speculate)]
     inprocess_baseline: dict[str, Any] = {}
@@ -284,6 +295,7 @@ def run(args: argparse.Namespace) -> int:
             )
         if args.compare_inprocess:
             inprocess_baseline, rounds = compare_inprocess(served, model_dir, cases, runs, args)
+        base_runs = run_levels(served, base_cases, args) if args.compare_lora else []
     report: dict[str, Any] = {
         "model": args.model_id or f"random {args.random_model}",
         "dtype": dtype,
@@ -304,6 +316,17 @@ def run(args: argparse.Namespace) -> int:
     add_ratios(report)
     if args.constrained_share:
         report["constrained"] = constrained
+    if args.compare_lora:
+        one_launch = [*args.launch_arg, "--max-loras", "1"]  # the last --max-loras wins
+        with server(
+            None, str(model_dir), one_launch, placement=args.placement, api=args.api
+        ) as one:
+            one_runs = run_levels(one, cases, args)
+        report["lora"] = lora.compare(
+            report["levels"],
+            [level_metrics(r) for r in base_runs],
+            [level_metrics(r) for r in one_runs],
+        )
     if args.compare_prefix_caching:
         report["prefix_caching"] = compare_prefix_caching(model_dir, cases, args, runs)
     if args.ceiling:
@@ -314,6 +337,8 @@ def run(args: argparse.Namespace) -> int:
     text = format_table(report)
     if args.constrained_share:
         text += "\n" + "\n".join(format_constrained(report["constrained"]))
+    if args.compare_lora:
+        text += "\n" + "\n".join(lora.format_lora(report["lora"]))
     print(json.dumps(report) if args.json else text)
     levels = report["levels"] + report.get("constrained", {}).get("levels", [])
     return 0 if all(level["num_failed"] == 0 for level in levels) else 1

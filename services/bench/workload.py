@@ -29,6 +29,7 @@ class Case:
     prompt: str  # text sent as `inputs`
     max_new_tokens: int  # requested output length
     grammar: dict | None = None  # TGI's `grammar` parameter (--constrained-share)
+    adapter: str | None = None  # the LoRA adapter it names (--lora); None: the base model
 
 
 def parse_range(text: str) -> tuple[int, int]:

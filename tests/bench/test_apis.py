@@ -20,6 +20,10 @@ def test_request_bodies():
     assert body["model"] == "served-model" and body["prompt"] == "hello"
     assert body["max_tokens"] == 7 and body["temperature"] == 0 and body["ignore_eos"]
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
+    # a case naming a LoRA adapter (--lora): OpenAI's `model`, TGI's `adapter_id`
+    adapted = Case("hello", 7, adapter="lora1")
+    assert openai.body(adapted)["model"] == "lora1"
+    assert Api().body(adapted)["parameters"]["adapter_id"] == "lora1"
 
 
 def test_openai_stream_to_a_record():

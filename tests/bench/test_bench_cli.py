@@ -126,3 +126,23 @@ def test_api_openai_drives_the_completions_route(stories_model):
     (level,) = bench_json(stories_model, *flags, "--api", "openai")["levels"]
     assert level["num_completed"] == 6 and level["output_tokens"] == 6 * 24
     assert level["ttft"]["count"] == 6 and level["itl"]["count"] > 0
+
+
+@pytest.mark.integration
+def test_lora_spreads_requests_over_adapters_and_compares(tiny_llama, monkeypatch, tmp_path):
+    """--lora 2 --compare-lora: every request of the mixed level names an adapter the launched
+    server registered; the base and one-adapter-per-step levels run too, with ratios."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    flags = ["--num-requests", "6", "--concurrency", "3", "--output-len-range", "8:8"]
+    report = bench_json(tiny_llama, *flags, "--api", "openai", "--lora", "2", "--compare-lora")
+    assert "spread over 2 LoRA adapters" in report["workload"]
+    (level,) = report["levels"]
+    assert level["num_completed"] == 6 and level["output_tokens"] == 48
+    (compared,) = report["lora"]["levels"]
+    assert compared["tokens_per_s_base"] > 0 and compared["tokens_per_s_one_per_step"] > 0
+    ratio = compared["tokens_per_s_mixed"] / compared["tokens_per_s_base"]
+    assert compared["mixed_over_base"] == pytest.approx(ratio, abs=1e-3)
+    assert sorted(p.name for p in (tmp_path / "textgen" / "lora-adapters").glob("*/*")) == [
+        "lora0",
+        "lora1",
+    ]
