@@ -10,11 +10,13 @@ The adapters held (`--max-loras`) are stacked per op, ranks zero-padded to the l
 (the Punica/S-LoRA layout, vLLM's CPU path does one gather per token instead):
 
     A      [parts * slots * R, in]      shrink: t = x A^T           one matmul for all adapters
-    mask   [rows, parts, slots, R]      t *= 1 where the row's adapter is the slot, else 0
-    B_p    [slots * R, out_p]           expand: y[:, part p] += t_p B_p  (scale s folded in)
+    mask   [rows, parts * slots * R]    t *= 1 where the row's adapter is the slot, else 0
+    B      [parts * slots * R, out]     expand: y += t B (scale folded in; part p's rows fill
+                                        only p's output columns)
 
-so a step costs two matmuls and a multiply per op whatever its mix of adapters, and a step of
-base-model requests only costs nothing. Rows of the base model have an all-zero mask.
+so a step costs two matmuls and a multiply per op whatever its mix of adapters (the zero
+blocks of B cost FLOPs, not passes: a LoRA rank is small), and a step of base-model requests
+only costs nothing. Rows of the base model have an all-zero mask.
 """
 
 from __future__ import annotations
@@ -116,8 +118,8 @@ class Stack:
     """One op's weights for the adapters held, in slot order."""
 
     a: torch.Tensor  # [parts * slots * rank, in]
-    b: list[torch.Tensor]  # per part: [slots * rank, out_p]
-    offsets: list[tuple[int, int]]  # per part: (first output column, width)
+    b: torch.Tensor  # [parts * slots * rank, out]: part p's rows only fill p's output columns
+    parts: int  # modules fused in the op
 
 
 @dataclass
@@ -125,6 +127,17 @@ class StepRows:
     """Which rows of the packed step use which held adapter."""
 
     mask: torch.Tensor  # [rows, slots] 1 where the row's adapter is the slot, else 0
+    rank: int  # the stacked rank
+    expanded: dict[int, torch.Tensor] = field(default_factory=dict)  # parts -> its column mask
+
+    def columns(self, parts: int) -> torch.Tensor:
+        """[rows, parts * slots * rank]: the mask over an op's shrunk columns."""
+        mask = self.expanded.get(parts)
+        if mask is None:
+            rows, slots = self.mask.shape
+            mask = self.mask[:, None, :, None].expand(rows, parts, slots, self.rank)
+            mask = self.expanded[parts] = mask.reshape(rows, -1)
+        return mask
 
 
 @dataclass
@@ -201,23 +214,22 @@ class LoraSet:
         if not any(name in a.weights for a in adapters for name in names):
             return None
         slots, rank = len(adapters), self.rank
+        out_features = sum(width for _, width in op.parts)
         a = torch.zeros(len(names), slots, rank, op.in_features, dtype=self.dtype)
-        bs, offsets, column = [], [], 0
+        b = torch.zeros(len(names), slots, rank, out_features, dtype=self.dtype)
+        column = 0
         for p, (name, width) in enumerate(op.parts):
-            b = torch.zeros(slots, rank, width, dtype=self.dtype)
             for slot, adapter in enumerate(adapters):
                 if name in adapter.weights:
                     lora_a, lora_b = adapter.weights[name]
                     a[p, slot, : lora_a.shape[0]] = lora_a
-                    b[slot, : lora_b.shape[1]] = lora_b.T
-            bs.append(b.view(slots * rank, width))
-            offsets.append((column, width))
+                    b[p, slot, : lora_b.shape[1], column : column + width] = lora_b.T
             column += width
-        return Stack(a.view(-1, op.in_features), bs, offsets)
+        return Stack(a.view(-1, op.in_features), b.view(-1, out_features), len(names))
 
     def begin_step(self, segments: Iterable[tuple[str | None, int, int]], num_rows: int) -> None:
-        """The step's rows: (adapter id or None, first row, end row) per request. Its forward
-        pass applies them (`step` stays until the next step's call)."""
+        """The step's rows: (adapter id or None, first row, end row) per request, applied by its
+        forward pass (the runner clears `step` after it)."""
         self.step = None
         mask = None
         for adapter_id, start, end in segments:
@@ -228,19 +240,16 @@ class LoraSet:
             mask[start:end, self.slot_of[adapter_id]] = 1
             self.held.move_to_end(adapter_id)  # LRU order; slots stay until a restack
         if mask is not None:
-            self.step = StepRows(mask)
+            self.step = StepRows(mask, self.rank)
 
     def add(self, key: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += the step's adapters' share of op `key`. x: [rows, in], out: [rows, out]."""
         step, stack = self.step, self.stacks.get(key)
         if step is None or stack is None:
             return
-        rows, slots = step.mask.shape
-        t = F.linear(x.to(self.dtype), stack.a)  # [rows, parts * slots * rank]
-        t = t.view(rows, len(stack.b), slots, self.rank).mul_(step.mask[:, None, :, None])
-        for p, (column, width) in enumerate(stack.offsets):
-            delta = t[:, p].reshape(rows, slots * self.rank) @ stack.b[p]
-            out[:, column : column + width] += delta.to(out.dtype)
+        shrunk = F.linear(x.to(self.dtype), stack.a)  # [rows, parts * slots * rank]
+        shrunk.mul_(step.columns(stack.parts))  # each row keeps its own adapter's columns
+        out.addmm_(shrunk.to(out.dtype), stack.b.to(out.dtype))
 
 
 def linear_modules(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
@@ -254,17 +263,26 @@ def linear_modules(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
     }
 
 
+HOOKED = "_textgen_lora"  # the model attribute naming the LoraSet its hooks apply
+
+
 def hook_modules(model: torch.nn.Module, lora: LoraSet) -> None:
     """Apply `lora` inside transformers' modules: a forward hook on each adaptable Linear adds
-    its adapters' share to the module's output (in place; the weights are untouched)."""
+    its adapters' share to the module's output (in place; the weights are untouched). A model
+    is hooked once; a later set (another runner of the same model) takes the hooks over."""
+    already = hasattr(model, HOOKED)
+    setattr(model, HOOKED, lora)
+    if already:
+        return
     for name, module in model.named_modules():
         if name not in lora.ops:
             continue
 
         def hook(_module, args, output, key=name):
-            if lora.step is not None:
+            current = getattr(model, HOOKED)
+            if current.step is not None:
                 x = args[0]
-                lora.add(key, x.reshape(-1, x.shape[-1]), output.view(-1, output.shape[-1]))
+                current.add(key, x.reshape(-1, x.shape[-1]), output.view(-1, output.shape[-1]))
 
         module.register_forward_hook(hook)
 

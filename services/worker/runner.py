@@ -88,8 +88,7 @@ class ModelRunner:
         outcome = self._with_refused(self._advance(plan.step_id, scheduled, samples), refused)
         outcome.result.num_tokens = int(batch.input_ids.shape[1])
         outcome.result.num_draft_tokens = len(batch.draft_rows)
-        outcome.result.forward_s = forward_s
-        outcome.result.sample_s = sample_s
+        outcome.result.forward_s, outcome.result.sample_s = forward_s, sample_s
         outcome.result.step_s = time.perf_counter() - started
         return outcome
 
@@ -216,7 +215,11 @@ class ModelRunner:
         their requests on the way). [num_sampling + drafts, vocab]"""
         # nothing wanted (prompt chunks that score nothing): one row keeps the pass valid
         rows = batch.kept_rows or [batch.input_ids.shape[1] - 1]
-        logits = self.backend.forward(batch, self.kv_cache, rows)
+        try:
+            logits = self.backend.forward(batch, self.kv_cache, rows)
+        finally:
+            if self.lora is not None:
+                self.lora.step = None  # the adapters' rows apply to this pass only
         num_kept = len(batch.sampling) + len(batch.draft_rows)
         if batch.prompt_rows:
             self._score_prompt(batch, logits[num_kept:])
