@@ -86,3 +86,31 @@ def test_int8_rows_of_one_request_do_not_depend_on_the_others():
         assert torch.equal(isolated[:, 3:], layer(loud))
     assert isolate_int8_rows(dense) is None  # nothing to isolate in a full-precision layer
     assert isolate_int8_rows(None) is None  # the simulated worker has no model
+
+
+def test_qlora_an_adapter_on_an_nf4_base_equals_peft(tiny_llama, tmp_path):
+    """QLoRA: a LoRA adapter over the bitsandbytes nf4 base, alone and batched with the base
+    model, equals transformers (same BitsAndBytesConfig) + PEFT."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from shared.adapters import make_ref
+
+    torch.manual_seed(7)
+    config = LoraConfig(r=4, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    get_peft_model(base, config).save_pretrained(tmp_path / "qlora")
+    ref = make_ref("qlora", str(tmp_path / "qlora"), max_rank=64)
+    peft = PeftModel.from_pretrained(hf_quantized(tiny_llama, "bitsandbytes-nf4"), ref.path)
+    expected = [greedy_continuation(peft.eval(), ids, 12, [2]) for ids in PROMPTS]
+    base_expected = [
+        greedy_continuation(hf_quantized(tiny_llama, "bitsandbytes-nf4"), ids, 12, [2])
+        for ids in PROMPTS
+    ]
+    assert expected != base_expected  # the adapter shows
+    engine = Engine(str(tiny_llama), num_blocks=64, quantize="bitsandbytes-nf4")
+    ids = [engine.add(p, 12, adapter=ref) for p in PROMPTS]
+    ids += [engine.add(p, 12) for p in PROMPTS]
+    engine.run()
+    outputs = [engine.take(i).token_ids for i in ids]
+    assert outputs == expected + base_expected
