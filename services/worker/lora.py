@@ -26,7 +26,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,10 @@ class LoraOp:
     key: str  # unique name: the module's name, or the fused matmul's
     parts: tuple[tuple[str, int], ...]  # (module name, out features) in output column order
     in_features: int  # columns of its input
+    # tensor parallel: the slice of a column-parallel layer's output this rank computes, or the
+    # slice of a row-parallel layer's input it holds (its share of the delta is summed)
+    out_slice: tuple[int, int] | None = None
+    in_slice: tuple[int, int] | None = None
 
 
 @dataclass
@@ -120,6 +124,7 @@ class Stack:
     a: torch.Tensor  # [parts * slots * rank, in]
     b: torch.Tensor  # [parts * slots * rank, out]: part p's rows only fill p's output columns
     parts: int  # modules fused in the op
+    is_partial: bool = False  # a row-parallel rank's share: summed over the ranks
 
 
 @dataclass
@@ -213,19 +218,30 @@ class LoraSet:
         names = [name for name, _ in op.parts]
         if not any(name in a.weights for a in adapters for name in names):
             return None
+        out_slice, in_slice = op.out_slice, op.in_slice  # set only on single-part ops
+        widths = [width for _, width in op.parts]
+        if out_slice is not None:
+            widths = [out_slice[1] - out_slice[0]]
+        in_features = in_slice[1] - in_slice[0] if in_slice is not None else op.in_features
         slots, rank = len(adapters), self.rank
-        out_features = sum(width for _, width in op.parts)
-        a = torch.zeros(len(names), slots, rank, op.in_features, dtype=self.dtype)
-        b = torch.zeros(len(names), slots, rank, out_features, dtype=self.dtype)
+        a = torch.zeros(len(names), slots, rank, in_features, dtype=self.dtype)
+        b = torch.zeros(len(names), slots, rank, sum(widths), dtype=self.dtype)
         column = 0
-        for p, (name, width) in enumerate(op.parts):
+        for p, (name, width) in enumerate(zip(names, widths, strict=True)):
             for slot, adapter in enumerate(adapters):
-                if name in adapter.weights:
-                    lora_a, lora_b = adapter.weights[name]
-                    a[p, slot, : lora_a.shape[0]] = lora_a
-                    b[p, slot, : lora_b.shape[1], column : column + width] = lora_b.T
+                if name not in adapter.weights:
+                    continue
+                lora_a, lora_b = adapter.weights[name]
+                if in_slice is not None:
+                    lora_a = lora_a[:, in_slice[0] : in_slice[1]]
+                if out_slice is not None:
+                    lora_b = lora_b[out_slice[0] : out_slice[1]]
+                a[p, slot, : lora_a.shape[0]] = lora_a
+                b[p, slot, : lora_b.shape[1], column : column + width] = lora_b.T
             column += width
-        return Stack(a.view(-1, op.in_features), b.view(-1, out_features), len(names))
+        return Stack(
+            a.view(-1, in_features), b.view(-1, sum(widths)), len(names), in_slice is not None
+        )
 
     def begin_step(self, segments: Iterable[tuple[str | None, int, int]], num_rows: int) -> None:
         """The step's rows: (adapter id or None, first row, end row) per request, applied by its
@@ -249,6 +265,11 @@ class LoraSet:
             return
         shrunk = F.linear(x.to(self.dtype), stack.a)  # [rows, parts * slots * rank]
         shrunk.mul_(step.columns(stack.parts))  # each row keeps its own adapter's columns
+        if stack.is_partial:  # the ranks' shares, summed ([rows, out] alike on every rank)
+            delta = shrunk.to(out.dtype) @ stack.b.to(out.dtype)
+            torch.distributed.all_reduce(delta)
+            out += delta
+            return
         out.addmm_(shrunk.to(out.dtype), stack.b.to(out.dtype))
 
 
@@ -287,9 +308,30 @@ def hook_modules(model: torch.nn.Module, lora: LoraSet) -> None:
         module.register_forward_hook(hook)
 
 
-def module_ops(modules: dict[str, tuple[int, int]]) -> dict[str, LoraOp]:
-    """One op per Linear module (transformers' modules run each on its own)."""
-    return {name: LoraOp(name, ((name, out),), in_) for name, (in_, out) in modules.items()}
+def module_ops(model: torch.nn.Module, modules: dict[str, tuple[int, int]]) -> dict[str, LoraOp]:
+    """One op per Linear module (transformers' modules run each on its own); under tensor
+    parallelism each rank's slice of a sharded module (transformers' column- and row-wise
+    plans shard weights as DTensors)."""
+    ops = {}
+    for name, (in_features, out_features) in modules.items():
+        op = LoraOp(name, ((name, out_features),), in_features)
+        weight = model.get_submodule(name).weight
+        placements = getattr(weight, "placements", None)
+        if placements:  # a DTensor: Shard(0) splits the output, Shard(1) the input
+            dim = getattr(placements[0], "dim", None)
+            world, rank = weight.device_mesh.size(), weight.device_mesh.get_local_rank()
+            if dim == 0:
+                op = replace(op, out_slice=_chunk(out_features, world, rank))
+            elif dim in (1, -1):
+                op = replace(op, in_slice=_chunk(in_features, world, rank))
+        ops[name] = op
+    return ops
+
+
+def _chunk(size: int, world: int, rank: int) -> tuple[int, int]:
+    """The rank's slice of a dimension split as torch.chunk splits it."""
+    step = -(-size // world)
+    return min(size, rank * step), min(size, (rank + 1) * step)
 
 
 def hold_adapters(

@@ -125,6 +125,7 @@ def follow_rank_0(settings: Settings, rank: int) -> None:
             num_blocks=num_blocks,
             speculate=settings.speculate,
             grammar_compile_timeout=None,  # as rank 0: no grammars in a tensor-parallel group
+            max_loras=settings.max_loras,
         )
     )
 

@@ -127,7 +127,7 @@ def lora_set(
     elif isinstance(backend, TransformersPaged):
         model = backend.model
         modules = linear_modules(model)
-        lora = LoraSet(max_loras, dtype, modules, module_ops(modules))
+        lora = LoraSet(max_loras, dtype, modules, module_ops(model, modules))
         lora.install = lambda: hook_modules(model, lora)
     else:
         return None

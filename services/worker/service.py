@@ -70,8 +70,7 @@ class WorkerService:
                 settings.grammar_compile_timeout if settings.num_shard == 1 else None
             ),
             metrics=self.metrics,
-            # tensor-parallel groups do not shard adapters yet: their requests fail, said why
-            max_loras=settings.max_loras if settings.num_shard == 1 else 0,
+            max_loras=settings.max_loras,
         )
         self.metrics.kv_blocks.set(self.runner.kv_cache.num_blocks)
         # --lora-adapters, checked now (a bad one stops the worker), registered in announce()

@@ -217,3 +217,19 @@ def test_adapter_routes_need_the_api_key(cluster, adapters):
         "a",
         "b",
     ]
+
+
+def test_a_tensor_parallel_group_applies_adapters(own_cluster, tiny_llama, adapters):
+    """--num-shard 2 (gloo): each rank applies its slice of every adapter (B's rows of a
+    column-parallel layer, A's columns of a row-parallel one, those shares summed); outputs
+    equal PEFT's, adapters and the base model mixed in one batch."""
+    spec = f"a={adapters['a']},b={adapters['b']}"
+    cluster = own_cluster("--num-shard", "2", "--lora-adapters", spec, num_groups=1)
+    url = cluster.gateway_urls[0]
+    prompts = [prompt_text(i, 6) for i in range(2)]
+    jobs = [(model, p) for p in prompts for model in ("a", "b", "tgi")]
+    paths = {"a": adapters["a"], "b": adapters["b"], "tgi": None}
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(lambda job: complete(url, *job), jobs))
+    for (model, prompt), answer in zip(jobs, answers, strict=True):
+        assert answer.choices[0].text == expected_text(tiny_llama, paths[model], prompt)[1], model
