@@ -26,12 +26,13 @@ def cluster(own_cluster):
     return own_cluster("--claim-timeout", "2", "--max-batch-size", "8", num_gateways=2)
 
 
-async def stream(client: httpx.AsyncClient, url: str, prompt: str, n: int) -> list[dict]:
+async def stream(
+    client: httpx.AsyncClient, url: str, prompt: str, n: int, adapter_id: str | None = None
+) -> list[dict]:
     events = []
+    parameters = {"max_new_tokens": n, "details": True, "adapter_id": adapter_id}
     async with client.stream(
-        "POST",
-        f"{url}/generate_stream",
-        json={"inputs": prompt, "parameters": {"max_new_tokens": n, "details": True}},
+        "POST", f"{url}/generate_stream", json={"inputs": prompt, "parameters": parameters}
     ) as response:
         async for line in response.aiter_lines():
             if line.startswith("data:"):

@@ -6,8 +6,10 @@ load/unload routes, and both gateways agree on the set."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import re
+import signal
 import time
 
 import httpx
@@ -57,7 +59,9 @@ def cluster(redis_url, tiny_llama, adapters):
         cluster.stop()
 
 
-def expected_text(tiny_llama, adapter_path: str | None, prompt: str) -> tuple[list[int], str]:
+def expected_text(
+    tiny_llama, adapter_path: str | None, prompt: str, new_tokens: int = NEW_TOKENS
+) -> tuple[list[int], str]:
     """transformers + PEFT greedy ids and text for a text prompt (BOS added, as /generate)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -66,7 +70,7 @@ def expected_text(tiny_llama, adapter_path: str | None, prompt: str) -> tuple[li
     if adapter_path is not None:
         model = PeftModel.from_pretrained(model, adapter_path).eval()
     hf = tokenizer(tiny_llama)
-    ids = greedy_continuation(model, hf(prompt).input_ids, NEW_TOKENS, [EOS])
+    ids = greedy_continuation(model, hf(prompt).input_ids, new_tokens, [EOS])
     prefix = hf.decode(hf(prompt).input_ids, skip_special_tokens=True)
     text = hf.decode(hf(prompt).input_ids + ids, skip_special_tokens=True)[len(prefix) :]
     return ids, text
@@ -233,3 +237,40 @@ def test_a_tensor_parallel_group_applies_adapters(own_cluster, tiny_llama, adapt
         answers = list(pool.map(lambda job: complete(url, *job), jobs))
     for (model, prompt), answer in zip(jobs, answers, strict=True):
         assert answer.choices[0].text == expected_text(tiny_llama, paths[model], prompt)[1], model
+
+
+def test_adapter_streams_survive_a_dead_worker_group(own_cluster, tiny_llama, adapters):
+    """kill -9 of a worker group while streams of two adapters and the base model run: each
+    resumes on the other group (which loads the adapter it names) token for token."""
+    from tests.e2e.test_failover import stream
+
+    spec = f"a={adapters['a']},b={adapters['b']}"
+    cluster = own_cluster(
+        "--lora-adapters", spec, "--claim-timeout", "2", "--max-batch-size", "4", num_gateways=2
+    )
+    cases = [(["a", "b", None][i % 3], prompt_text(i, 4 + i), 120 + 10 * i) for i in range(6)]
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120) as client:
+            tasks = [
+                asyncio.ensure_future(
+                    stream(client, cluster.gateway_urls[i % 2], prompt, n, adapter_id=adapter)
+                )
+                for i, (adapter, prompt, n) in enumerate(cases)
+            ]
+            for _ in range(3000):
+                stats = cluster.stats().get("g0")
+                if stats is not None and stats.num_running >= 2:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                pytest.fail(f"group g0 never ran 2 requests: {cluster.stats()}")
+            cluster.processes["worker-g0"].send_signal(signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(scenario())
+    for (adapter, prompt, n), events in zip(cases, results, strict=True):
+        assert "error" not in events[-1], events[-1]
+        assert [e["index"] for e in events] == list(range(1, len(events) + 1))
+        path = adapters[adapter] if adapter else None
+        assert [e["token"]["id"] for e in events] == expected_text(tiny_llama, path, prompt, n)[0]
