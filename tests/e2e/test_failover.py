@@ -40,12 +40,18 @@ async def stream(
     return events
 
 
-def run_while_killing(cluster: Cluster, victim: str) -> list[list[dict]]:
+def run_while_killing(
+    cluster: Cluster, victim: str, cases: list[tuple[str, int, str | None]] | None = None
+) -> list[list[dict]]:
+    """Stream `cases` (prompt, max_new_tokens, adapter_id; default: CASES on the base model)
+    over the gateways in turn, SIGKILL `victim` once group g0 runs two of them."""
+    cases = cases or [(prompt, n, None) for prompt, n in CASES]
+
     async def scenario():
         async with httpx.AsyncClient(timeout=120) as client:
             tasks = [
-                asyncio.ensure_future(stream(client, cluster.gateway_urls[i % 2], p, n))
-                for i, (p, n) in enumerate(CASES)
+                asyncio.ensure_future(stream(client, cluster.gateway_urls[i % 2], *case))
+                for i, case in enumerate(cases)
             ]
             for _ in range(3000):  # kill once group g0 is busy (30 s at most)
                 stats = cluster.stats().get("g0")

@@ -6,10 +6,8 @@ load/unload routes, and both gateways agree on the set."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import re
-import signal
 import time
 
 import httpx
@@ -242,33 +240,14 @@ def test_a_tensor_parallel_group_applies_adapters(own_cluster, tiny_llama, adapt
 def test_adapter_streams_survive_a_dead_worker_group(own_cluster, tiny_llama, adapters):
     """kill -9 of a worker group while streams of two adapters and the base model run: each
     resumes on the other group (which loads the adapter it names) token for token."""
-    from tests.e2e.test_failover import stream
+    from tests.e2e.test_failover import run_while_killing
 
     spec = f"a={adapters['a']},b={adapters['b']}"
     cluster = own_cluster(
         "--lora-adapters", spec, "--claim-timeout", "2", "--max-batch-size", "4", num_gateways=2
     )
     cases = [(["a", "b", None][i % 3], prompt_text(i, 4 + i), 120 + 10 * i) for i in range(6)]
-
-    async def scenario():
-        async with httpx.AsyncClient(timeout=120) as client:
-            tasks = [
-                asyncio.ensure_future(
-                    stream(client, cluster.gateway_urls[i % 2], prompt, n, adapter_id=adapter)
-                )
-                for i, (adapter, prompt, n) in enumerate(cases)
-            ]
-            for _ in range(3000):
-                stats = cluster.stats().get("g0")
-                if stats is not None and stats.num_running >= 2:
-                    break
-                await asyncio.sleep(0.01)
-            else:
-                pytest.fail(f"group g0 never ran 2 requests: {cluster.stats()}")
-            cluster.processes["worker-g0"].send_signal(signal.SIGKILL)
-            return await asyncio.gather(*tasks)
-
-    results = asyncio.run(scenario())
+    results = run_while_killing(cluster, "worker-g0", [(p, n, a) for a, p, n in cases])
     for (adapter, prompt, n), events in zip(cases, results, strict=True):
         assert "error" not in events[-1], events[-1]
         assert [e["index"] for e in events] == list(range(1, len(events) + 1))

@@ -7,6 +7,7 @@ import itertools
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from shared.messages import (
+    AdapterRef,
     FinishReason,
     GenerateRequest,
     RequestOutput,
@@ -25,9 +26,11 @@ def request(
     priority: int = 0,
     deadline: float = 0.0,
     prefix: list[int] | None = None,
+    adapter: str = "",
     **sampling,
 ) -> GenerateRequest:
-    """A request whose prompt is `prefix` then tokens no other request has."""
+    """A request whose prompt is `prefix` then tokens no other request has; `adapter`: the id
+    of a LoRA adapter it names."""
     number = next(_ids)
     prefix = prefix or []
     unique = [1000 * (number + 1) + i for i in range(num_prompt_tokens - len(prefix))]
@@ -40,6 +43,7 @@ def request(
         created_at=0.0,
         deadline=deadline,
         priority=priority,
+        adapter=AdapterRef(name=adapter, path="/", id=adapter) if adapter else None,
     )
 
 
@@ -50,6 +54,7 @@ def scheduler(
     max_batch_size: int = 16,
     clock=lambda: 100.0,
     prefix_caching: bool = True,
+    max_loras: int = 0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -58,6 +63,7 @@ def scheduler(
             max_batch_prefill_tokens=prefill,
             max_batch_size=max_batch_size,
             enable_prefix_caching=prefix_caching,
+            max_loras=max_loras,
         ),
         clock=clock,
     )

@@ -15,7 +15,8 @@ from services.engine import Engine
 from services.worker.loader import load_model
 from shared.adapters import make_ref
 from shared.messages import AdapterRef
-from tests.support.tiny_models import make_tiny_llama, train_tokenizer
+from tests.support.tiny_models import make_tiny_llama
+from tests.worker.test_architectures import PAGED, build
 
 PROMPTS = [[1, 17, 40, 9, 33], [1, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91, 92, 93, 94, 95]]
 NEW_TOKENS = 10
@@ -42,25 +43,6 @@ ADAPTERS = {
         ("all", dict(r=2, lora_alpha=4, use_rslora=True, target_modules="all-linear")),
     ],
 }
-
-
-def make_neox(folder: Path) -> Path:
-    folder.mkdir(parents=True)
-    vocab_size = train_tokenizer(folder)
-    config = T.GPTNeoXConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        initializer_range=0.2,
-    )
-    torch.manual_seed(0)
-    T.AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
-    return folder
 
 
 def make_adapters(base: Path, folder: Path, specs) -> dict[str, AdapterRef]:
@@ -103,7 +85,10 @@ def reference(base: Path, adapter: AdapterRef | None) -> list[list[int]]:
 def setup(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     arch = "gpt_neox" if request.param == "gpt_neox" else "llama"
-    base = make_neox(root / "base") if arch == "gpt_neox" else make_tiny_llama(root / "base")
+    if arch == "gpt_neox":
+        base = build(root / "base", PAGED["gpt_neox"])
+    else:
+        base = make_tiny_llama(root / "base")
     refs = make_adapters(base, root / "adapters", ADAPTERS[arch])
     expected = {name: reference(base, ref) for name, ref in refs.items()}
     expected[""] = reference(base, None)
