@@ -5,7 +5,7 @@ adapter; a request the worker refused before computing it leaves no cached block
 from __future__ import annotations
 
 from shared.messages import RequestOutput, StepResult
-from tests.scheduler.factories import answer, request, scheduler, scheduled
+from tests.scheduler.factories import answer, request, scheduled, scheduler
 
 SHARED = list(range(500, 512))  # three blocks of 4
 
