@@ -21,6 +21,7 @@ only costs nothing. Rows of the base model have an all-zero mask.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -29,8 +30,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.nn.functional as F
 
+from services.worker.kernels import MAX_LORA_COLS, CpuKernels
 from services.worker.state import RequestState
 from shared.messages import AdapterRef
 
@@ -119,29 +120,35 @@ def load_adapter(ref: AdapterRef, modules: dict[str, tuple[int, int]], dtype) ->
 
 @dataclass
 class Stack:
-    """One op's weights for the adapters held, in slot order."""
+    """One op's weights for the adapters held, in slot order; K = parts * rank."""
 
-    a: torch.Tensor  # [parts * slots * rank, in]
-    b: torch.Tensor  # [parts * slots * rank, out]: part p's rows only fill p's output columns
-    parts: int  # modules fused in the op
+    a: torch.Tensor  # [slots, in, K]: A transposed, the parts' ranks side by side
+    b: torch.Tensor  # [slots, K, out]: B transposed; part p's ranks fill only p's columns
+    col_start: torch.Tensor  # [parts] int64: first output column of each part
+    col_width: torch.Tensor  # [parts] int64: its width
     is_partial: bool = False  # a row-parallel rank's share: summed over the ranks
+
+    @functools.cached_property
+    def a_all(self) -> torch.Tensor:
+        """[in, slots * K]: every slot's A, for one matmul over all of them (torch path)."""
+        return self.a.permute(1, 0, 2).reshape(self.a.shape[1], -1)
 
 
 @dataclass
 class StepRows:
     """Which rows of the packed step use which held adapter."""
 
-    mask: torch.Tensor  # [rows, slots] 1 where the row's adapter is the slot, else 0
-    rank: int  # the stacked rank
-    expanded: dict[int, torch.Tensor] = field(default_factory=dict)  # parts -> its column mask
+    slots: torch.Tensor  # [rows] int64: each row's adapter slot, -1 for the base model
+    num_slots: int  # adapters held
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # K -> [rows, slots * K]
 
-    def columns(self, parts: int) -> torch.Tensor:
-        """[rows, parts * slots * rank]: the mask over an op's shrunk columns."""
-        mask = self.expanded.get(parts)
+    def mask(self, cols: int) -> torch.Tensor:
+        """1 on a row's own slot's `cols` shrunk columns, 0 elsewhere (torch path)."""
+        mask = self.masks.get(cols)
         if mask is None:
-            rows, slots = self.mask.shape
-            mask = self.mask[:, None, :, None].expand(rows, parts, slots, self.rank)
-            mask = self.expanded[parts] = mask.reshape(rows, -1)
+            owner = torch.arange(self.num_slots)[None, :] == self.slots[:, None]
+            mask = owner[:, :, None].expand(-1, -1, cols).reshape(len(self.slots), -1)
+            mask = self.masks[cols] = mask
         return mask
 
 
@@ -164,6 +171,7 @@ class LoraSet:
     registered: set[str] | None = None  # ids still in the registry (None: not known yet)
     rank: int = 0  # the stacked rank (largest held)
     install: Callable[[], None] | None = None  # run before the first load (hooks the modules)
+    kernels: CpuKernels | None = None  # the CPU kernels: each row's own product (lora.inc)
 
     def acquire(self, ref: AdapterRef, in_use: set[str]) -> None:
         """Hold `ref`'s adapter, loading it (and evicting the least recently used adapter no
@@ -223,54 +231,65 @@ class LoraSet:
         if out_slice is not None:
             widths = [out_slice[1] - out_slice[0]]
         in_features = in_slice[1] - in_slice[0] if in_slice is not None else op.in_features
-        slots, rank = len(adapters), self.rank
-        a = torch.zeros(len(names), slots, rank, in_features, dtype=self.dtype)
-        b = torch.zeros(len(names), slots, rank, sum(widths), dtype=self.dtype)
-        column = 0
-        for p, (name, width) in enumerate(zip(names, widths, strict=True)):
-            for slot, adapter in enumerate(adapters):
+        rank, starts = self.rank, [sum(widths[:p]) for p in range(len(widths))]
+        a = torch.zeros(len(adapters), in_features, len(names) * rank, dtype=self.dtype)
+        b = torch.zeros(len(adapters), len(names) * rank, sum(widths), dtype=self.dtype)
+        for slot, adapter in enumerate(adapters):
+            for p, name in enumerate(names):
                 if name not in adapter.weights:
                     continue
-                lora_a, lora_b = adapter.weights[name]
+                lora_a, lora_b = adapter.weights[name]  # [r, in], [out, r]
                 if in_slice is not None:
                     lora_a = lora_a[:, in_slice[0] : in_slice[1]]
                 if out_slice is not None:
                     lora_b = lora_b[out_slice[0] : out_slice[1]]
-                a[p, slot, : lora_a.shape[0]] = lora_a
-                b[p, slot, : lora_b.shape[1], column : column + width] = lora_b.T
-            column += width
-        return Stack(
-            a.view(-1, in_features), b.view(-1, sum(widths)), len(names), in_slice is not None
-        )
+                r = lora_a.shape[0]
+                a[slot, :, p * rank : p * rank + r] = lora_a.T
+                b[slot, p * rank : p * rank + r, starts[p] : starts[p] + widths[p]] = lora_b.T
+        columns = torch.tensor([starts, widths], dtype=torch.int64)
+        return Stack(a, b, columns[0].clone(), columns[1].clone(), in_slice is not None)
 
     def begin_step(self, segments: Iterable[tuple[str | None, int, int]], num_rows: int) -> None:
         """The step's rows: (adapter id or None, first row, end row) per request, applied by its
         forward pass (the runner clears `step` after it)."""
         self.step = None
-        mask = None
+        slots = None
         for adapter_id, start, end in segments:
             if adapter_id is None:
                 continue
-            if mask is None:
-                mask = torch.zeros(num_rows, len(self.held), dtype=self.dtype)
-            mask[start:end, self.slot_of[adapter_id]] = 1
+            if slots is None:
+                slots = torch.full((num_rows,), -1, dtype=torch.int64)
+            slots[start:end] = self.slot_of[adapter_id]
             self.held.move_to_end(adapter_id)  # LRU order; slots stay until a restack
-        if mask is not None:
-            self.step = StepRows(mask, self.rank)
+        if slots is not None:
+            self.step = StepRows(slots, len(self.held))
 
     def add(self, key: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """out += the step's adapters' share of op `key`. x: [rows, in], out: [rows, out]."""
         step, stack = self.step, self.stacks.get(key)
         if step is None or stack is None:
             return
-        shrunk = F.linear(x.to(self.dtype), stack.a)  # [rows, parts * slots * rank]
-        shrunk.mul_(step.columns(stack.parts))  # each row keeps its own adapter's columns
+        kernels, cols = self.kernels, stack.a.shape[2]
+        if (
+            kernels is not None
+            and not stack.is_partial
+            and cols <= MAX_LORA_COLS
+            and x.dtype == out.dtype == self.dtype
+            and x.stride(1) == out.stride(1) == 1
+        ):  # each row its own adapter's product, no padding (lora.inc)
+            kernels.lora_add(
+                x, step.slots, stack.a, stack.b, self.rank, stack.col_start, stack.col_width, out
+            )
+            return
+        shrunk = x.to(self.dtype) @ stack.a_all  # [rows, slots * K]: every held adapter
+        shrunk.mul_(step.mask(cols))  # each row keeps its own adapter's columns
+        b = stack.b.view(-1, stack.b.shape[2]).to(out.dtype)
         if stack.is_partial:  # the ranks' shares, summed ([rows, out] alike on every rank)
-            delta = shrunk.to(out.dtype) @ stack.b.to(out.dtype)
+            delta = shrunk.to(out.dtype) @ b
             torch.distributed.all_reduce(delta)
             out += delta
             return
-        out.addmm_(shrunk.to(out.dtype), stack.b.to(out.dtype))
+        out.addmm_(shrunk.to(out.dtype), b)
 
 
 def linear_modules(model: torch.nn.Module) -> dict[str, tuple[int, int]]:

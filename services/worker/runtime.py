@@ -131,6 +131,8 @@ def lora_set(
         lora.install = lambda: hook_modules(model, lora)
     else:
         return None
+    if loaded.kernels is not None and loaded.kernels.supports(dtype):
+        lora.kernels = loaded.kernels  # each row's own product on the CPU (lora.inc)
     if metrics is not None:
         lora.on_load = metrics.lora_loaded
         lora.on_evict = metrics.lora_evicted

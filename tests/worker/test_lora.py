@@ -147,3 +147,41 @@ def test_an_unreadable_adapter_fails_its_request_alone(setup, tmp_path):
         engine.take(bad)
     assert engine.take(good).token_ids == next(iter(expected.values()))[0]
     assert engine.scheduler.blocks.num_free_blocks == 128
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_kernel_and_the_torch_path_agree(dtype):
+    """lora_add (each row its own adapter's product) against the masked matmuls over every
+    held adapter, on a fused op of three parts with rows of two adapters and of none."""
+    from services.worker.kernels import load
+    from services.worker.lora import Adapter, LoraOp, LoraSet
+
+    kernels = load()
+    if kernels is None:
+        pytest.skip("no C compiler: the CPU kernels are not built")
+    torch.manual_seed(0)
+    parts = (("q", 64), ("k", 32), ("v", 32))
+    op = LoraOp("qkv", parts, 48)
+    modules = {name: (48, width) for name, width in parts}
+
+    def adapter(name, rank, targets):
+        weights = {
+            t: (torch.randn(rank, 48).to(dtype), torch.randn(modules[t][1], rank).to(dtype))
+            for t in targets
+        }
+        return Adapter(AdapterRef(name=name, path="/", id=name), weights, rank)
+
+    lora = LoraSet(2, dtype, modules, {"qkv": op})
+    lora.held.update(x=adapter("x", 4, ["q", "v"]), y=adapter("y", 8, ["k"]))
+    lora._restack()
+    lora.begin_step([("x", 0, 3), (None, 3, 5), ("y", 5, 9)], 9)
+    x = torch.randn(9, 48).to(dtype)
+    base = torch.randn(9, 128).to(dtype)
+    with_torch, with_kernel = base.clone(), base.clone()
+    lora.add("qkv", x, with_torch)
+    lora.kernels = kernels
+    lora.add("qkv", x, with_kernel)
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(with_kernel, with_torch, rtol=tolerance, atol=tolerance * 10)
+    assert torch.equal(with_kernel[3:5], base[3:5])  # base-model rows untouched
+    assert not torch.equal(with_kernel[:3], base[:3])

@@ -32,7 +32,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("cpu_kernels.c", "cpu_kernels.inc")
+SOURCES = ("cpu_kernels.c", "cpu_kernels.inc", "lora.inc")
 FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 CAPABILITY_ENV = "ATEN_CPU_CAPABILITY"  # PyTorch's name: one switch for torch and for us
 # x86-64 instruction sets, lowest first, and the -march that builds for each
@@ -44,6 +44,7 @@ BUILD_TIMEOUT_S = 120
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the element types compiled
 KEY_TILE = 16  # keys the attention kernel scores at once: block sizes must be multiples
 MAX_HEAD_DIM = 256  # the attention kernel's largest head dimension (cpu_kernels.c)
+MAX_LORA_COLS = 1024  # a LoRA op's parts x rank the lora_add kernel takes (cpu_kernels.c)
 
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
@@ -52,6 +53,10 @@ _SIGNATURES = {  # argument types of each kernel (cpu_kernels.inc documents them
     "rope_store": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, ctypes.c_int],
     "silu_mul": [_ptr, _ptr, _i64, _i64, ctypes.c_int],
     "greedy": [_ptr, _i64, _i64, _ptr, _ptr, ctypes.c_int],
+    "lora_add": [
+        *[_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64],
+        *[_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_int],
+    ],
     "paged_attention": [
         *[_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
         *[_i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64, ctypes.c_int],
@@ -263,6 +268,39 @@ class CpuKernels:
             torch.get_num_threads(),
         )
         return token_ids.tolist(), logprobs.tolist()
+
+    def lora_add(
+        self,
+        x: torch.Tensor,  # [num_rows, in_dim] (rows may be strided)
+        slots: torch.Tensor,  # [num_rows] int64: each row's adapter slot, -1 for none
+        a_t: torch.Tensor,  # [num_slots, in_dim, parts * part_rank]
+        b: torch.Tensor,  # [num_slots, parts * part_rank, out_width]
+        part_rank: int,
+        col_start: torch.Tensor,  # [parts] int64: each part's first output column
+        col_width: torch.Tensor,  # [parts] int64: and its width
+        out: torch.Tensor,  # [num_rows, out_width] (rows may be strided)
+    ) -> None:
+        """out += each row's own adapter's (x A^T) B, in place (lora.inc)."""
+        num_rows, in_dim = x.shape
+        rank_cols, out_width = b.shape[1], b.shape[2]
+        self._functions["lora_add", x.dtype](
+            x.data_ptr(),
+            x.stride(0),
+            slots.data_ptr(),
+            num_rows,
+            in_dim,
+            a_t.data_ptr(),
+            b.data_ptr(),
+            rank_cols,
+            col_start.shape[0],
+            part_rank,
+            col_start.data_ptr(),
+            col_width.data_ptr(),
+            out.data_ptr(),
+            out.stride(0),
+            out_width,
+            torch.get_num_threads(),
+        )
 
     def paged_attention(
         self,

@@ -89,6 +89,9 @@ static inline float exp_clamped(float x) {
 #endif
 #define MAX_HEAD_DIM 256             /* the attention kernel's largest head dimension, a
                                         multiple of KEY_TILE as every head dimension must be */
+#define MAX_LORA_COLS 1024           /* a LoRA op's parts x rank (services/worker/lora.py) */
+#define LORA_COL_BLOCK 256           /* output columns a LoRA row accumulates at once */
+#define LORA_PARALLEL_MIN_MACS 65536 /* smaller LoRA work runs on one thread */
 
 #define CONCAT_(a, b) a##_##b
 #define CONCAT(a, b) CONCAT_(a, b)
@@ -100,6 +103,7 @@ static inline float exp_clamped(float x) {
 #define STORE(x) (x)
 #define LOAD16(p) load16_float(p) /* KEY_TILE consecutive elements as floats */
 #include "cpu_kernels.inc"
+#include "lora.inc"
 #undef T
 #undef SUFFIX
 #undef LOAD
@@ -112,3 +116,4 @@ static inline float exp_clamped(float x) {
 #define STORE(x) float_to_bf16(x)
 #define LOAD16(p) load16_bf16(p)
 #include "cpu_kernels.inc"
+#include "lora.inc"
