@@ -3,7 +3,10 @@
 The adapters are random PEFT adapters of the model (rank `--lora-rank`, every linear layer
 of the decoder adapted, B not zero), built once into the cache. The launched server
 registers them (`--lora-adapters`, `--max-loras N`) and each case names one, round robin.
-With `--compare-lora`, each closed-loop level also runs:
+With `--compare-lora`, each server first runs the levels once, unmeasured, on other prompts
+(a fresh server's first requests pay one-time costs: oneDNN kernels built per shape, first
+touches; the measured prompts would then hit the prefix cache); then each closed-loop level
+also runs:
 
 - `base`: the same prompts on the base model alone (same server);
 - `one_per_step`: the same adapters on a second server launched with `--max-loras 1`, so each

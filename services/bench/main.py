@@ -273,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.url:
             args.launch_arg = [*args.launch_arg, *lora.launch_args(folders, args.lora)]
         cases = lora.spread(cases, sorted(folders))
+        warm_cases = lora.spread(build_workload(args, model_dir, args.seed + 1)[0], sorted(folders))
         workload += f", spread over {args.lora} LoRA adapters of rank {args.lora_rank}"
     if args.speculate:
         args.launch_arg = [*args.launch_arg, "--speculate", str(args.speculate)]
@@ -282,6 +283,8 @@ def run(args: argparse.Namespace) -> int:
         args.url, str(model_dir), args.launch_arg, placement=args.placement, api=args.api
     ) as served:
         dtype = served_dtype(served.url) or "float32"
+        if args.compare_lora:  # a fresh server's first level also pays its first-use costs
+            run_levels(served, warm_cases, args)  # other prompts: no prefix-cache hits later
         runs = run_levels(served, cases, args) if not args.constrained_share else []
         if args.constrained_share:
             show = not args.no_progress
@@ -321,6 +324,7 @@ def run(args: argparse.Namespace) -> int:
         with server(
             None, str(model_dir), one_launch, placement=args.placement, api=args.api
         ) as one:
+            run_levels(one, warm_cases, args)  # warm, as the first server was
             one_runs = run_levels(one, cases, args)
         report["lora"] = lora.compare(
             report["levels"],

@@ -7,16 +7,17 @@ adapter; W, the base weight, is never changed. Every matmul an adapter may touch
 decoder's q/k/v and gate/up), whose parts are column ranges of its output.
 
 The adapters held (`--max-loras`) are stacked per op, ranks zero-padded to the largest held
-(the Punica/S-LoRA layout, vLLM's CPU path does one gather per token instead):
+(K = parts x rank; the Punica/S-LoRA layout):
 
-    A      [parts * slots * R, in]      shrink: t = x A^T           one matmul for all adapters
-    mask   [rows, parts * slots * R]    t *= 1 where the row's adapter is the slot, else 0
-    B      [parts * slots * R, out]     expand: y += t B (scale folded in; part p's rows fill
-                                        only p's output columns)
+    A  [slots, in, K]    A transposed, the parts' ranks side by side
+    B  [slots, K, out]   B transposed, the scale folded in; part p's ranks fill p's columns
 
-so a step costs two matmuls and a multiply per op whatever its mix of adapters (the zero
-blocks of B cost FLOPs, not passes: a LoRA rank is small), and a step of base-model requests
-only costs nothing. Rows of the base model have an all-zero mask.
+A step gives each row the slot of its request's adapter (-1: the base model). On the CPU,
+the kernel `lora_add` (services/worker/kernels/lora.inc) computes each row's own product, the
+BGMV shape: shrink x A_s into float32, expand into each part's columns. Elsewhere (GPUs, a
+tensor-parallel rank's partial share, ranks past the kernel's limit) two matmuls over every
+held adapter do it, each row masked to its own slot's columns (slots x the FLOPs, but two
+passes per op whatever the mix). A step of base-model requests only costs nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from services.worker.kernels import MAX_LORA_COLS, CpuKernels
+from services.worker.kernels import KEY_TILE, LORA_TILE, MAX_LORA_COLS, CpuKernels
 from services.worker.state import RequestState
 from shared.messages import AdapterRef
 
@@ -142,6 +143,19 @@ class StepRows:
     num_slots: int  # adapters held
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # K -> [rows, slots * K]
 
+    @functools.cached_property
+    def tiles(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The adapted rows grouped by slot, and where each tile of at most LORA_TILE rows of
+        one slot starts among them (the CPU kernel's work items)."""
+        adapted = (self.slots >= 0).nonzero().flatten()
+        order = adapted[torch.argsort(self.slots[adapted], stable=True)]
+        owners = self.slots[order].tolist()
+        starts = [0]
+        for i in range(1, len(owners) + 1):
+            if i == len(owners) or owners[i] != owners[starts[-1]] or i - starts[-1] == LORA_TILE:
+                starts.append(i)
+        return order, torch.tensor(starts, dtype=torch.int64)
+
     def mask(self, cols: int) -> torch.Tensor:
         """1 on a row's own slot's `cols` shrunk columns, 0 elsewhere (torch path)."""
         mask = self.masks.get(cols)
@@ -232,8 +246,9 @@ class LoraSet:
             widths = [out_slice[1] - out_slice[0]]
         in_features = in_slice[1] - in_slice[0] if in_slice is not None else op.in_features
         rank, starts = self.rank, [sum(widths[:p]) for p in range(len(widths))]
-        a = torch.zeros(len(adapters), in_features, len(names) * rank, dtype=self.dtype)
-        b = torch.zeros(len(adapters), len(names) * rank, sum(widths), dtype=self.dtype)
+        cols = -(-len(names) * rank // KEY_TILE) * KEY_TILE  # the CPU kernel's vector width
+        a = torch.zeros(len(adapters), in_features, cols, dtype=self.dtype)
+        b = torch.zeros(len(adapters), cols, sum(widths), dtype=self.dtype)
         for slot, adapter in enumerate(adapters):
             for p, name in enumerate(names):
                 if name not in adapter.weights:
@@ -277,8 +292,18 @@ class LoraSet:
             and x.dtype == out.dtype == self.dtype
             and x.stride(1) == out.stride(1) == 1
         ):  # each row its own adapter's product, no padding (lora.inc)
+            order, tile_starts = step.tiles
             kernels.lora_add(
-                x, step.slots, stack.a, stack.b, self.rank, stack.col_start, stack.col_width, out
+                x,
+                step.slots,
+                order,
+                tile_starts,
+                stack.a,
+                stack.b,
+                self.rank,
+                stack.col_start,
+                stack.col_width,
+                out,
             )
             return
         shrunk = x.to(self.dtype) @ stack.a_all  # [rows, slots * K]: every held adapter

@@ -45,6 +45,7 @@ SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the element types c
 KEY_TILE = 16  # keys the attention kernel scores at once: block sizes must be multiples
 MAX_HEAD_DIM = 256  # the attention kernel's largest head dimension (cpu_kernels.c)
 MAX_LORA_COLS = 1024  # a LoRA op's parts x rank the lora_add kernel takes (cpu_kernels.c)
+LORA_TILE = 8  # rows of one adapter the lora_add kernel computes together (cpu_kernels.c)
 
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
@@ -54,7 +55,7 @@ _SIGNATURES = {  # argument types of each kernel (cpu_kernels.inc documents them
     "silu_mul": [_ptr, _ptr, _i64, _i64, ctypes.c_int],
     "greedy": [_ptr, _i64, _i64, _ptr, _ptr, ctypes.c_int],
     "lora_add": [
-        *[_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64],
+        *[_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64],
         *[_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_int],
     ],
     "paged_attention": [
@@ -273,6 +274,8 @@ class CpuKernels:
         self,
         x: torch.Tensor,  # [num_rows, in_dim] (rows may be strided)
         slots: torch.Tensor,  # [num_rows] int64: each row's adapter slot, -1 for none
+        order: torch.Tensor,  # [num_adapted] int64: the adapted rows, grouped by slot
+        tile_starts: torch.Tensor,  # [num_tiles + 1] int64: tiles of <= 8 rows of one slot
         a_t: torch.Tensor,  # [num_slots, in_dim, parts * part_rank]
         b: torch.Tensor,  # [num_slots, parts * part_rank, out_width]
         part_rank: int,
@@ -281,13 +284,15 @@ class CpuKernels:
         out: torch.Tensor,  # [num_rows, out_width] (rows may be strided)
     ) -> None:
         """out += each row's own adapter's (x A^T) B, in place (lora.inc)."""
-        num_rows, in_dim = x.shape
+        in_dim = x.shape[1]
         rank_cols, out_width = b.shape[1], b.shape[2]
         self._functions["lora_add", x.dtype](
             x.data_ptr(),
             x.stride(0),
             slots.data_ptr(),
-            num_rows,
+            order.data_ptr(),
+            tile_starts.data_ptr(),
+            tile_starts.shape[0] - 1,
             in_dim,
             a_t.data_ptr(),
             b.data_ptr(),

@@ -90,8 +90,8 @@ static inline float exp_clamped(float x) {
 #define MAX_HEAD_DIM 256             /* the attention kernel's largest head dimension, a
                                         multiple of KEY_TILE as every head dimension must be */
 #define MAX_LORA_COLS 1024           /* a LoRA op's parts x rank (services/worker/lora.py) */
-#define LORA_COL_BLOCK 256           /* output columns a LoRA row accumulates at once */
 #define LORA_PARALLEL_MIN_MACS 65536 /* smaller LoRA work runs on one thread */
+#define LORA_TILE 8                  /* rows of one adapter a LoRA weight row is applied to */
 
 #define CONCAT_(a, b) a##_##b
 #define CONCAT(a, b) CONCAT_(a, b)
