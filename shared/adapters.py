@@ -39,6 +39,12 @@ def base_model_names(model_id: str) -> tuple[str, ...]:
 class AdapterError(ValueError):
     """An adapter that cannot be registered, with the reason for the client or operator."""
 
+    code = "invalid_adapter"  # the machine tag of the cause, in OpenAI's error `code`
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code or self.code
+
 
 def parse_lora_adapters(text: str | None) -> list[tuple[str, str]]:
     """`NAME=FOLDER,...` (a bare FOLDER is named by itself, as TGI names hub ids) as

@@ -10,6 +10,8 @@ adapter routes are behind --api-key; /v1/models is not (as in TGI).
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -18,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from services.gateway.openai.errors import error_object
 from services.gateway.openai.routes import decode_openai
 from services.gateway.pipeline.adapters import base_names
+from services.gateway.state import GatewayState
 from services.gateway.tgi.routes import gateway
 from shared.adapters import AdapterError, make_ref
 from shared.bus import REDIS_ERRORS
@@ -75,39 +78,51 @@ async def models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": data})
 
 
-@router.post("/v1/load_lora_adapter")
-async def load_lora_adapter(request: Request) -> Response:
+class AdapterNotFound(AdapterError):
+    """No adapter of that name is registered (404)."""
+
+    code = "adapter_not_found"
+
+
+async def change_registry(
+    request: Request, model: type[BaseModel], change: Callable[[GatewayState, Any], Awaitable[str]]
+) -> Response:
+    """Decode the body, then `change` the registry: its success text, or the error (400 for
+    an adapter that cannot be served, 503 while Redis is unreachable)."""
     state = gateway(request)
-    body = await decode_openai(state, request, LoadAdapterBody)
+    body = await decode_openai(state, request, model)
     if isinstance(body, Response):
         return body
-    name = body.lora_name
     try:
-        ref = make_ref(name, body.lora_path, state.settings.max_lora_rank, base_names(state))
+        return PlainTextResponse(await change(state, body))
     except AdapterError as exc:
-        return error(str(exc), 400, "invalid_adapter")
-    try:
-        added = await state.adapters().add(ref)
+        return error(str(exc), 404 if isinstance(exc, AdapterNotFound) else 400, exc.code)
     except REDIS_ERRORS as exc:
         return unreachable(exc)
-    if not added:
-        return error(f"The lora adapter '{name}' has already been loaded.", 400, "adapter_exists")
+
+
+async def load(state: GatewayState, body: LoadAdapterBody) -> str:
+    name = body.lora_name
+    ref = make_ref(name, body.lora_path, state.settings.max_lora_rank, base_names(state))
+    if not await state.adapters().add(ref):
+        raise AdapterError(f"The lora adapter '{name}' has already been loaded.", "adapter_exists")
     log.info("LoRA adapter %s registered from %s", name, ref.path)
-    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+    return f"Success: LoRA adapter '{name}' added successfully."
+
+
+async def unload(state: GatewayState, body: UnloadAdapterBody) -> str:
+    name = body.lora_name
+    if not await state.adapters().remove(name):
+        raise AdapterNotFound(f"The lora adapter '{name}' cannot be found.")
+    log.info("LoRA adapter %s unregistered", name)
+    return f"Success: LoRA adapter '{name}' removed successfully."
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> Response:
+    return await change_registry(request, LoadAdapterBody, load)
 
 
 @router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(request: Request) -> Response:
-    state = gateway(request)
-    body = await decode_openai(state, request, UnloadAdapterBody)
-    if isinstance(body, Response):
-        return body
-    name = body.lora_name
-    try:
-        removed = await state.adapters().remove(name)
-    except REDIS_ERRORS as exc:
-        return unreachable(exc)
-    if not removed:
-        return error(f"The lora adapter '{name}' cannot be found.", 404, "adapter_not_found")
-    log.info("LoRA adapter %s unregistered", name)
-    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+    return await change_registry(request, UnloadAdapterBody, unload)
