@@ -407,3 +407,9 @@ def hold_adapters(
     if lora is not None:
         lora.retain(in_use)
     return refused
+
+
+def retain_registered(lora: LoraSet | None, requests: dict[str, RequestState]) -> None:
+    """Between steps: drop the adapters that left the registry and no held request uses."""
+    if lora is not None and lora.registered is not None:
+        lora.retain({s.adapter.id for s in requests.values() if s.adapter is not None})

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 
 from services.worker.fast_decoder import FAST_DECODER
 from services.worker.loader import LoadedModel
+from services.worker.lora import retain_registered
 from services.worker.metrics import WorkerMetrics
 from services.worker.runner import StepOutcome
 from services.worker.runtime import build_runner, ready_message
@@ -192,6 +193,8 @@ class WorkerService:
                     self._dead_letter(link, entry_id, fields, exc)
             if not entries and is_stopping and not self.runner.requests:
                 break
+            if not entries:  # idle: the unloaded adapters go now, not at the next step
+                retain_registered(self.runner.lora, self.runner.requests)
         log.info("stopped with %d requests held", len(self.runner.requests))
         return False
 
