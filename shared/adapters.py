@@ -18,9 +18,11 @@ import re
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import redis.asyncio as aioredis
 
+from shared.bus import as_bytes
 from shared.channels import Channels
 from shared.codec import decode, encode
 from shared.messages import AdapterRef
@@ -76,7 +78,7 @@ def check_name(name: str, reserved: tuple[str, ...] = ()) -> None:
         raise AdapterError(f"{name!r} names the base model; pick another adapter name")
 
 
-def read_config(path: str, max_rank: int) -> dict:
+def read_config(path: str, max_rank: int) -> dict[str, Any]:
     """The folder's adapter_config.json, checked for what plain LoRA serves."""
     folder = Path(path)
     config_file = folder / CONFIG_FILE
@@ -112,7 +114,7 @@ def read_config(path: str, max_rank: int) -> dict:
     return config
 
 
-def config_rank(config: dict) -> int:
+def config_rank(config: dict[str, Any]) -> int:
     """The largest rank a PEFT LoRA config gives any module (r, else rank_pattern's)."""
     pattern = config.get("rank_pattern") or {}
     ranks = [int(config.get("r", 8))] + [int(r) for r in pattern.values()]
@@ -145,11 +147,13 @@ class AdapterRegistry:
 
     async def get(self, name: str) -> AdapterRef | None:
         data = await self.redis.hget(self.key, name)
-        return decode(data, AdapterRef) if data is not None else None
+        return decode(as_bytes(data), AdapterRef) if data is not None else None
 
     async def all(self) -> list[AdapterRef]:
         entries = await self.redis.hgetall(self.key)
-        return sorted((decode(v, AdapterRef) for v in entries.values()), key=lambda r: r.name)
+        return sorted(
+            (decode(as_bytes(v), AdapterRef) for v in entries.values()), key=lambda r: r.name
+        )
 
     async def count(self) -> int:
         return int(await self.redis.hlen(self.key))

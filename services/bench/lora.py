@@ -52,7 +52,7 @@ def _build(model_dir: Path, folders: dict[str, Path], rank: int) -> None:
         config = LoraConfig(
             r=rank, lora_alpha=2 * rank, target_modules="all-linear", init_lora_weights=False
         )
-        get_peft_model(model, config).save_pretrained(folder)
+        get_peft_model(model, config).save_pretrained(str(folder))
 
 
 def launch_args(folders: dict[str, str], max_loras: int) -> list[str]:

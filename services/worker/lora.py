@@ -29,6 +29,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -320,7 +321,8 @@ class LoraSet:
 def linear_modules(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
     """The model's Linear layers (bitsandbytes' included) but its output head: name -> (in,
     out). These are what PEFT adapters may target."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = output_embeddings() if callable(output_embeddings) else None
     return {
         name: (module.in_features, module.out_features)
         for name, module in model.named_modules()
@@ -359,7 +361,7 @@ def module_ops(model: torch.nn.Module, modules: dict[str, tuple[int, int]]) -> d
     ops = {}
     for name, (in_features, out_features) in modules.items():
         op = LoraOp(name, ((name, out_features),), in_features)
-        weight = model.get_submodule(name).weight
+        weight: Any = model.get_submodule(name).weight  # a DTensor under tensor parallelism
         placements = getattr(weight, "placements", None)
         if placements:  # a DTensor: Shard(0) splits the output, Shard(1) the input
             dim = getattr(placements[0], "dim", None)

@@ -311,9 +311,8 @@ async def answer_completions(
     with failures_counted(state):
         adapter = await resolve_adapter(state, body.model, strict=True)
         # the served id, or the adapter's name
-        meta = envelope(
-            state, adapter and adapter.name, arrived_at, "cmpl", wants_usage_chunk(body)
-        )
+        name = adapter.name if adapter else None
+        meta = envelope(state, name, arrived_at, "cmpl", wants_usage_chunk(body))
         fanout = check_completion_request(body, state.settings.max_client_batch_size)
         extra = openai_sampling(
             body.presence_penalty,
