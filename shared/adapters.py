@@ -26,6 +26,7 @@ from shared.bus import as_bytes
 from shared.channels import Channels
 from shared.codec import decode, encode
 from shared.messages import AdapterRef
+from shared.settings import Settings
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -178,6 +179,11 @@ class AdapterRegistry:
                 await self.redis.hset(self.key, ref.name, encode(ref))
 
 
-def startup_refs(text: str | None, max_rank: int, reserved: tuple[str, ...]) -> list[AdapterRef]:
-    """--lora-adapters as checked registrations; raises AdapterError on the first bad one."""
-    return [make_ref(name, path, max_rank, reserved) for name, path in parse_lora_adapters(text)]
+def startup_refs(settings: Settings) -> list[AdapterRef]:
+    """--lora-adapters as checked registrations; raises AdapterError on the first bad one.
+    The launcher, the gateway and the worker each check them at start."""
+    reserved = base_model_names(settings.model_id)
+    return [
+        make_ref(name, path, settings.max_lora_rank, reserved)
+        for name, path in parse_lora_adapters(settings.lora_adapters)
+    ]

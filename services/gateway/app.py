@@ -32,7 +32,7 @@ from services.gateway.tgi import compat as compat_routes
 from services.gateway.tgi import info as info_routes
 from services.gateway.tgi import routes as tgi_routes
 from services.gateway.tgi.validation import Limits
-from shared.adapters import base_model_names, startup_refs
+from shared.adapters import startup_refs
 from shared.bus import connect, redact_url
 from shared.channels import Channels
 from shared.model_files import TOKENIZER_FILES, context_length, resolve_model_dir
@@ -71,9 +71,7 @@ def build_state(settings: Settings) -> GatewayState:
         compute_type=os.environ.get("COMPUTE_TYPE", "gpu+optimized"),
         version=package_version(),
         # checked now: a bad --lora-adapters stops the gateway before it serves
-        startup_adapters=startup_refs(
-            settings.lora_adapters, settings.max_lora_rank, base_model_names(settings.model_id)
-        ),
+        startup_adapters=startup_refs(settings),
     )
 
 

@@ -19,7 +19,7 @@ import urllib.request
 from collections.abc import Callable
 
 from services.launcher.embedded_redis import EmbeddedRedis
-from shared.adapters import base_model_names, startup_refs
+from shared.adapters import startup_refs
 from shared.bus import redact_url
 from shared.model_files import resolve_model_dir
 from shared.openmp import IO_CPUS_ENV, cpu_list, share_cores, split_cpus
@@ -91,10 +91,7 @@ class Launcher:
         # ModelNotFound to the CLI), not one traceback per service
         folder = resolve_model_dir(self.settings.model_id, self.settings.revision)
         # the same for --lora-adapters (AdapterError); the services check them again
-        settings = self.settings
-        startup_refs(
-            settings.lora_adapters, settings.max_lora_rank, base_model_names(settings.model_id)
-        )
+        startup_refs(self.settings)
         log.info("model %s: %s", self.settings.model_id, folder)
         try:
             url = self.redis_url = self.settings.redis_url or self.redis.start(

@@ -1,5 +1,5 @@
-"""LoRA adapters in a worker: loaded from PEFT folders, held LRU, applied per request in one
-forward pass that mixes adapters and the base model.
+"""LoRA adapters in a worker: loaded from PEFT folders (lora_files.py), held LRU, applied per
+request in one forward pass that mixes adapters and the base model.
 
 An adapted matmul computes `y = x W^T + s (x A^T) B^T` for the rows of requests using that
 adapter; W, the base weight, is never changed. Every matmul an adapter may touch is a
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -34,16 +33,11 @@ from typing import Any
 import torch
 
 from services.worker.kernels import KEY_TILE, LORA_TILE, MAX_LORA_COLS, CpuKernels
+from services.worker.lora_files import Adapter, AdapterLoadError, load_adapter
 from services.worker.state import RequestState
 from shared.messages import AdapterRef
 
 log = logging.getLogger(__name__)
-
-PEFT_PREFIX = "base_model.model."  # PEFT's tensor names start with it
-
-
-class AdapterLoadError(ValueError):
-    """An adapter this worker cannot load, with the reason for the request that named it."""
 
 
 @dataclass(frozen=True)
@@ -57,67 +51,6 @@ class LoraOp:
     # slice of a row-parallel layer's input it holds (its share of the delta is summed)
     out_slice: tuple[int, int] | None = None
     in_slice: tuple[int, int] | None = None
-
-
-@dataclass
-class Adapter:
-    """One loaded adapter: per module, A [r, in] and B [out, r] with the scale folded in."""
-
-    ref: AdapterRef
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name -> (A, s * B)
-    rank: int  # the largest rank of its modules
-
-
-def load_adapter(ref: AdapterRef, modules: dict[str, tuple[int, int]], dtype) -> Adapter:
-    """Read a PEFT LoRA folder; `modules`: the model's adaptable modules -> (in, out)."""
-    from peft import LoraConfig
-    from peft.utils import load_peft_weights
-    from peft.utils.other import get_pattern_key
-
-    try:
-        config = LoraConfig.from_pretrained(ref.path)
-        tensors = load_peft_weights(ref.path, device="cpu")
-    except Exception as exc:  # missing folder, bad JSON, unreadable safetensors
-        raise AdapterLoadError(f"cannot read LoRA adapter {ref.name!r}: {exc}") from exc
-    if getattr(config, "use_dora", False):
-        raise AdapterLoadError(f"LoRA adapter {ref.name!r} is a DoRA adapter (not supported)")
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        name = key.removeprefix(PEFT_PREFIX)
-        for kind in ("lora_A", "lora_B"):
-            suffix = f".{kind}.weight"
-            if name.endswith(suffix):
-                pairs.setdefault(name.removesuffix(suffix), {})[kind] = tensor
-                break
-        else:
-            raise AdapterLoadError(
-                f"LoRA adapter {ref.name!r} holds {key}: only lora_A/lora_B weights of linear "
-                "layers are supported"
-            )
-    weights = {}
-    for module, pair in pairs.items():
-        if module not in modules:
-            raise AdapterLoadError(
-                f"LoRA adapter {ref.name!r} adapts {module}, which is not a linear layer of "
-                "this model (is it an adapter of another base model?)"
-            )
-        if set(pair) != {"lora_A", "lora_B"}:
-            raise AdapterLoadError(f"LoRA adapter {ref.name!r} lacks A or B of {module}")
-        a, b = pair["lora_A"], pair["lora_B"]
-        rank = a.shape[0]
-        if a.shape != (rank, modules[module][0]) or b.shape != (modules[module][1], rank):
-            raise AdapterLoadError(
-                f"LoRA adapter {ref.name!r}: {module} has A {tuple(a.shape)} and B "
-                f"{tuple(b.shape)}, not of this model's ({modules[module][1]} x "
-                f"{modules[module][0]}) layer"
-            )
-        alpha_key = get_pattern_key(list(config.alpha_pattern or {}), module)
-        alpha = (config.alpha_pattern or {}).get(alpha_key, config.lora_alpha)
-        scale = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
-        weights[module] = (a.to(dtype).contiguous(), (b.float() * scale).to(dtype).contiguous())
-    if not weights:
-        raise AdapterLoadError(f"LoRA adapter {ref.name!r} holds no LoRA weights")
-    return Adapter(ref, weights, max(a.shape[0] for a, _ in weights.values()))
 
 
 @dataclass
@@ -163,7 +96,7 @@ class StepRows:
         if mask is None:
             owner = torch.arange(self.num_slots)[None, :] == self.slots[:, None]
             mask = owner[:, :, None].expand(-1, -1, cols).reshape(len(self.slots), -1)
-            mask = self.masks[cols] = mask
+            self.masks[cols] = mask
         return mask
 
 
@@ -262,8 +195,9 @@ class LoraSet:
                 r = lora_a.shape[0]
                 a[slot, :, p * rank : p * rank + r] = lora_a.T
                 b[slot, p * rank : p * rank + r, starts[p] : starts[p] + widths[p]] = lora_b.T
-        columns = torch.tensor([starts, widths], dtype=torch.int64)
-        return Stack(a, b, columns[0].clone(), columns[1].clone(), in_slice is not None)
+        return Stack(
+            a, b, torch.tensor(starts), torch.tensor(widths), is_partial=in_slice is not None
+        )
 
     def begin_step(self, segments: Iterable[tuple[str | None, int, int]], num_rows: int) -> None:
         """The step's rows: (adapter id or None, first row, end row) per request, applied by its
@@ -387,17 +321,15 @@ def hold_adapters(
     the step's new ones included); each request whose adapter cannot be held leaves
     `scheduled` and `requests`, returned with the reason."""
     wanting = [s for s in scheduled if s.adapter is not None and s.num_steps == 0]
-    if not wanting and (lora is None or lora.registered is None):
-        return []
-    in_use = {s.adapter.id for s in requests.values() if s.adapter is not None}
+    in_use = adapters_in_use(requests) if wanting else set()
     refused = []
     for state in wanting:
         assert state.adapter is not None
         try:
             if lora is None:
                 raise AdapterLoadError(
-                    "this worker group cannot apply LoRA adapters (tensor-parallel groups, "
-                    "per-request fallback runners and simulated workers do not)"
+                    "this worker group cannot apply LoRA adapters (the per-request fallback "
+                    "runners and simulated workers do not)"
                 )
             lora.acquire(state.adapter, in_use)
             lora.on_request(state.adapter.name)
@@ -406,12 +338,17 @@ def hold_adapters(
             refused.append((state, str(exc)))
             scheduled.remove(state)
             del requests[state.request_id]
-    if lora is not None:
-        lora.retain(in_use)
+    retain_registered(lora, requests)
     return refused
 
 
+def adapters_in_use(requests: dict[str, RequestState]) -> set[str]:
+    """The ids of the adapters the held requests name: none of them may be evicted."""
+    return {s.adapter.id for s in requests.values() if s.adapter is not None}
+
+
 def retain_registered(lora: LoraSet | None, requests: dict[str, RequestState]) -> None:
-    """Between steps: drop the adapters that left the registry and no held request uses."""
+    """Drop the adapters that left the registry and no held request uses (at each step, and
+    while the worker is idle)."""
     if lora is not None and lora.registered is not None:
-        lora.retain({s.adapter.id for s in requests.values() if s.adapter is not None})
+        lora.retain(adapters_in_use(requests))

@@ -27,7 +27,7 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.runner import StepOutcome
 from services.worker.runtime import build_runner, ready_message
 from services.worker.step_link import BLOCK_MS, STOPPING_BLOCK_MS, Command, StepLink, xadd
-from shared.adapters import AdapterRegistry, base_model_names, startup_refs
+from shared.adapters import AdapterRegistry, startup_refs
 from shared.bus import FIELD, REDIS_ERRORS, entry_message, stream_fields
 from shared.channels import DEAD_LETTERS_MAXLEN, Channels
 from shared.codec import decode, encode
@@ -75,9 +75,7 @@ class WorkerService:
         )
         self.metrics.kv_blocks.set(self.runner.kv_cache.num_blocks)
         # --lora-adapters, checked now (a bad one stops the worker), registered in announce()
-        self.startup_adapters = startup_refs(
-            settings.lora_adapters, settings.max_lora_rank, base_model_names(settings.model_id)
-        )
+        self.startup_adapters = startup_refs(settings)
         kernels = self.runner.kernels if self.runner.attention == FAST_DECODER else None
         instruction_set = kernels.level if kernels is not None else ""
         self.metrics.attention.labels(self.runner.attention, instruction_set).set(1)

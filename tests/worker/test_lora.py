@@ -154,7 +154,8 @@ def test_the_cpu_kernel_and_the_torch_path_agree(dtype):
     """lora_add (each row its own adapter's product) against the masked matmuls over every
     held adapter, on a fused op of three parts with rows of two adapters and of none."""
     from services.worker.kernels import load
-    from services.worker.lora import Adapter, LoraOp, LoraSet
+    from services.worker.lora import LoraOp, LoraSet
+    from services.worker.lora_files import Adapter
 
     kernels = load()
     if kernels is None:
