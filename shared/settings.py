@@ -42,6 +42,22 @@ def step_tokens(configured: int | None, device: str, suggested: int = 0) -> int:
     return DEFAULT_STEP_TOKENS.get(device.split(":")[0], DEFAULT_ACCELERATOR_STEP_TOKENS)
 
 
+def parse_cuda_graphs(text: str | None) -> list[int] | None:
+    """--cuda-graphs: "1,2,4" -> [1, 2, 4]; "0" -> [] (none); None -> None (the default)."""
+    if text is None:
+        return None
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        message = f"cuda_graphs must be batch sizes like 1,2,4,8 or 0, not {text!r}"
+        raise ValueError(message) from None
+    if sizes == [0]:
+        return []
+    if not sizes or any(size <= 0 for size in sizes):
+        raise ValueError(f"cuda_graphs must be positive batch sizes or 0, not {text!r}")
+    return sorted(set(sizes))
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="", extra="ignore", populate_by_name=True)
 
@@ -155,6 +171,12 @@ class Settings(BaseSettings):
         4, description="LoRA adapters a worker group holds at once, and the most one step mixes"
     )
     max_lora_rank: int = Field(64, description="largest LoRA rank accepted when registering")
+    cuda_graphs: str | None = Field(
+        None,
+        description="TGI's: decode batch sizes to capture as CUDA graphs, e.g. 1,2,4,8,16,32; "
+        "0: none (every step eager); default: 1, 2, 4, 8, then every 16 up to "
+        "--max-batch-size",
+    )
     fake_step_ms: float | None = Field(
         None, description="simulate the worker: each step takes this long, no model is loaded"
     )
@@ -203,6 +225,8 @@ class Settings(BaseSettings):
             raise ValueError("max_loras must be > 0")
         if self.max_lora_rank <= 0:
             raise ValueError("max_lora_rank must be > 0")
+        if self.cuda_graphs is not None:
+            parse_cuda_graphs(self.cuda_graphs)  # raises ValueError with the reason
         if self.grammar_compile_timeout <= 0:
             raise ValueError("grammar_compile_timeout must be positive")
         if (

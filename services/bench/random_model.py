@@ -46,6 +46,23 @@ SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "initializer_range": 0.02,
     },
+    # meta-llama/Llama-3.2-1B, its context cut to 8192 positions without the llama3 RoPE
+    # scaling (speed depends on the shapes; the scaling changes no matmul)
+    "llama-3.2-1b": {
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": True,
+        "initializer_range": 0.02,
+    },
 }
 BOS_ID, EOS_ID = 1, 2  # "<s>" and "</s>" in the trained tokenizer
 

@@ -70,6 +70,7 @@ class Engine:
         speculate: int = 0,
         cpu_kernels: bool = True,
         max_loras: int = 4,
+        cuda_graphs: list[int] | None = None,
     ) -> None:
         self.loaded = (
             model_id
@@ -86,6 +87,7 @@ class Engine:
             max_batch_size=max_batch_size,
             speculate=speculate,
             max_loras=max_loras,
+            cuda_graphs=cuda_graphs,
         )
         # the scheduler service's policy (watermark included) for this runner, as announced
         ready = ready_message(

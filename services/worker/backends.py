@@ -9,13 +9,15 @@ One is picked when the model loads (services/worker/runtime.py) and `name` is wh
 
     backend           name          runs                                        paged cache
     PagedSdpa         sdpa          transformers' modules, SDPA over the blocks      yes
-    PagedFlash        flash-attn    transformers' modules, flash-attn's paged KV     yes
+    CudaPaged         triton        transformers' modules on CUDA: a Triton kernel   yes
+                                    (flash-attn if installed), decode CUDA graphs
     FastDecoderPass   cpu-kernels   textgen's fast decoder on the CPU kernels        yes
     OwnCache          sdpa          each request on the model's own cache (ALiBi)    no
     EncoderDecoder    sdpa          T5-style models, encoder once, then decoder      no
     Simulated         sdpa          no model: sleeps (--fake-step-ms)                no
 
-The last three live in services/worker/fallback.py and services/worker/fake.py.
+CudaPaged lives in services/worker/cuda_graphs.py, the last three in
+services/worker/fallback.py and services/worker/fake.py.
 """
 
 from __future__ import annotations
@@ -69,10 +71,14 @@ class ForwardBackend(ABC):
     name: str = flash_attention.SDPA  # what /info and the metrics call it
     can_speculate: bool = True  # drafts are verified in the same pass
     uses_paged_cache: bool = True  # False: KV blocks are only accounted, never allocated
+    spare_blocks: int = 0  # KV blocks allocated past the scheduler's, for the backend's use
 
     def block_size(self, requested: int, device: torch.device, shape: Any) -> int:
         """The KV block size the backend can read, given the one asked for."""
         return requested
+
+    def capture(self, kv_cache: PagedKVCache, max_model_len: int) -> None:  # noqa: B027
+        """Get ready to run over `kv_cache` once it is allocated (CUDA graphs are captured)."""
 
     def release(self, live_request_ids: Iterable[str]) -> None:  # noqa: B027 (most keep none)
         """Forget per-request state of every request not in `live_request_ids`."""
@@ -145,27 +151,6 @@ class PagedSdpa(TransformersPaged):
             )
             is_decode = set(decodes)
             meta.prefill_indices = [i for i in range(len(batch.states)) if i not in is_decode]
-        return meta
-
-
-class PagedFlash(TransformersPaged):
-    """Every request in one flash_attn_varlen_func call per layer over the block tables
-    (CUDA, flash-attn installed, half precision: services/worker/flash_attention.py)."""
-
-    name = flash_attention.FLASH_ATTN
-
-    def block_size(self, requested: int, device: torch.device, shape: Any) -> int:
-        return flash_attention.flash_block_size(requested, device, shape)
-
-    def metadata(self, batch: PackedBatch, kv_cache: PagedKVCache) -> AttentionMetadata:
-        meta = super().metadata(batch, kv_cache)
-        meta.flash = flash_attention.make_metadata(
-            batch.query_start,
-            batch.context_lens,
-            batch.block_tables,
-            kv_cache.block_size,
-            self.device,
-        )
         return meta
 
 

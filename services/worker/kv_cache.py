@@ -101,13 +101,15 @@ class PagedKVCache:
         block_size: int,
         device: torch.device,
         allocate: bool = True,
+        spare_blocks: int = 0,
     ) -> None:
         """allocate=False: block accounting only (the fallback runner keeps the model's own
-        caches)."""
+        caches). spare_blocks: allocated after the num_blocks the scheduler hands out, for the
+        backend's own use (CUDA graphs' padding rows)."""
         self.shape = shape
         self.num_blocks = num_blocks
         self.block_size = block_size
-        num_slots = num_blocks * block_size if allocate else 0
+        num_slots = (num_blocks + spare_blocks) * block_size if allocate else 0
         # per layer: [num_slots, num_kv_heads, head_dim]
         layer_shape = (num_slots, shape.num_kv_heads, shape.head_dim)
         self.keys = [_allocate(layer_shape, shape.dtype, device) for _ in range(shape.num_layers)]

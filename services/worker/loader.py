@@ -39,6 +39,8 @@ class LoadedModel:
     # textgen's CPU kernels (the fast decoder's, and greedy sampling's); None off the CPU,
     # with --disable-cpu-kernels, or where they do not build
     kernels: CpuKernels | None = None
+    quantize: str | None = None  # --quantize: quantized modules (no CUDA graphs over them)
+    world_size: int = 1  # tensor-parallel ranks of the group
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -203,4 +205,6 @@ def load_model(
         runner=runner,
         decoder=decoder,
         kernels=ops,
+        quantize=quantize,
+        world_size=world_size,
     )

@@ -18,8 +18,10 @@ Decodes (one query each) are attended together in one call over their block tabl
 the longest context (`DecodeGroup`): whole blocks are gathered (one row copy per block, not
 one per token), and on CPU in half precision the attention is two batched matmuls with a
 float32 softmax (PyTorch's CPU flash kernel is several times slower there). Prompt chunks are
-attended one request at a time. On CUDA with flash-attn installed, a layer's attention is
-instead one flash_attn_varlen_func call over the block tables (services/worker/flash_attention.py).
+attended one request at a time. On CUDA (services/worker/cuda_graphs.py) decodes and short
+chunks are instead query rows of one Triton kernel that reads the blocks in place
+(`RowTables`, services/worker/triton_attention.py), and with flash-attn installed a layer's
+attention is one flash_attn_varlen_func call (services/worker/flash_attention.py).
 """
 
 from __future__ import annotations
@@ -45,6 +47,33 @@ class DecodeGroup:
 
 
 @dataclass
+class RowTables:
+    """Query rows attended in place over the paged cache by the Triton kernel (CUDA)."""
+
+    rows: torch.Tensor  # [num_rows] int32 packed token of each row
+    row_request: torch.Tensor  # [num_rows] int32 the row's request (its block_tables row)
+    row_lens: torch.Tensor  # [num_rows] int32 keys the row sees (causal)
+    block_tables: torch.Tensor  # [num_requests, max_blocks] int32 block ids
+
+    def attend(self, out, query, k_cache, v_cache, block_size, scaling, sliding_window) -> None:
+        from services.worker import triton_attention  # Triton: only where this runs (CUDA)
+
+        triton_attention.attend_rows(
+            out,
+            query,
+            k_cache,
+            v_cache,
+            self.rows,
+            self.row_request,
+            self.row_lens,
+            self.block_tables,
+            block_size,
+            scaling,
+            sliding_window,
+        )
+
+
+@dataclass
 class AttentionMetadata:
     kv_cache: PagedKVCache
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each packed token
@@ -52,6 +81,7 @@ class AttentionMetadata:
     context_lens: list[int]  # [num_requests] cached tokens per request after this step
     context_slots: list[torch.Tensor]  # per request: [context_len] slots (empty: flash path)
     decodes: DecodeGroup | None = None  # single-query requests, attended together
+    rows: RowTables | None = None  # CUDA: short requests' queries through the Triton kernel
     prefill_indices: list[int] | None = None  # requests attended one by one (None: all)
     # set on CUDA with flash-attn: every request attended in one flash_attn_varlen_func call
     flash: flash_attention.FlashMetadata | None = None
@@ -123,6 +153,11 @@ def paged_attention_forward(
     out = torch.empty(
         num_tokens, query.shape[1], query.shape[3], dtype=query.dtype, device=query.device
     )  # [num_tokens, num_heads, head_dim]
+    if meta.rows is not None:
+        q = query[0].transpose(0, 1)  # [num_tokens, num_heads, head_dim]
+        meta.rows.attend(
+            out, q, k_cache, v_cache, meta.kv_cache.block_size, scaling, sliding_window
+        )
     if meta.decodes is not None:
         _attend_decodes(
             meta.decodes,

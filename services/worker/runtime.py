@@ -18,10 +18,11 @@ from services.worker import flash_attention, step_budget
 from services.worker.backends import (
     FastDecoderPass,
     ForwardBackend,
-    PagedFlash,
     PagedSdpa,
     TransformersPaged,
 )
+from services.worker.cuda_graphs import CudaPaged
+from services.worker.cuda_graphs import default_sizes as default_graph_sizes
 from services.worker.fake import Simulated
 from services.worker.fallback import EncoderDecoder, OwnCache
 from services.worker.grammar import GrammarEngine
@@ -36,8 +37,12 @@ from shared.model_files import vocab_size_of
 log = logging.getLogger(__name__)
 
 
-def pick_backend(loaded: LoadedModel, fake_step_ms: float | None = None) -> ForwardBackend:
-    """What runs the forward pass of `loaded` (services/worker/backends.py has the table)."""
+def pick_backend(
+    loaded: LoadedModel, fake_step_ms: float | None = None, cuda_graphs: list[int] | None = None
+) -> ForwardBackend:
+    """What runs the forward pass of `loaded` (services/worker/backends.py has the table).
+    cuda_graphs: the decode batch sizes to capture on CUDA (None: default_sizes; quantized and
+    tensor-parallel models run eagerly)."""
     if fake_step_ms is not None:
         return Simulated(fake_step_ms, vocab_size_of(loaded.folder), loaded.eos_token_ids)
     if loaded.runner == FALLBACK:
@@ -46,8 +51,11 @@ def pick_backend(loaded: LoadedModel, fake_step_ms: float | None = None) -> Forw
         return EncoderDecoder(loaded.model, loaded.device)
     if loaded.decoder is not None:
         return FastDecoderPass(loaded.decoder)
-    if flash_attention.is_available(loaded.device, loaded.cache_shape):
-        return PagedFlash(loaded.model, loaded.device)
+    flash = flash_attention.is_available(loaded.device, loaded.cache_shape)
+    if loaded.device.type == "cuda" or flash:
+        eager = loaded.quantize is not None or loaded.world_size > 1
+        sizes = [] if eager else cuda_graphs or []
+        return CudaPaged(loaded.model, loaded.device, sizes, flash)
     return PagedSdpa(loaded.model, loaded.device)
 
 
@@ -64,14 +72,20 @@ def build_runner(
     grammar_compile_timeout: float | None = 10.0,
     metrics: WorkerMetrics | None = None,
     max_loras: int = 0,
+    cuda_graphs: list[int] | None = None,
 ) -> ModelRunner:
     """The runner of `loaded` with its KV cache: `num_blocks` blocks when given (a
     tensor-parallel rank takes rank 0's), else as many as `kv_cache_memory` bytes (default: a
     share of free memory) hold, never more than a full batch of full contexts would use.
     `grammar_compile_timeout` None: no constrained decoding (a request with a constraint fails
     with the reason), as on the ranks of a tensor-parallel group. `max_loras`: LoRA adapters
-    held at once (0: none; a request naming one fails with the reason)."""
-    backend = pick_backend(loaded, fake_step_ms)
+    held at once (0: none; a request naming one fails with the reason). `cuda_graphs`: decode
+    batch sizes captured on CUDA (None: 1, 2, 4, 8, then every 16 up to max_batch_size)."""
+    if cuda_graphs is None:
+        cuda_graphs = default_graph_sizes(max_batch_size)
+    backend = pick_backend(
+        loaded, fake_step_ms, [size for size in cuda_graphs if size <= max_batch_size]
+    )
     block_size = backend.block_size(block_size, loaded.device, loaded.cache_shape)
     if num_blocks is None:
         budget = kv_cache_memory or default_budget(loaded.device)
@@ -83,7 +97,9 @@ def build_runner(
         block_size,
         loaded.device,
         allocate=backend.uses_paged_cache,
+        spare_blocks=backend.spare_blocks,
     )
+    backend.capture(cache, loaded.max_model_len)
     log.info(
         "forward passes on %s; KV cache of %d blocks x %d tokens",
         backend.name,

@@ -32,7 +32,7 @@ from shared.bus import FIELD, REDIS_ERRORS, entry_message, stream_fields
 from shared.channels import DEAD_LETTERS_MAXLEN, Channels
 from shared.codec import decode, encode
 from shared.messages import AdapterRef, Heartbeat, ReplyBatch, StepPlan, WorkerReady
-from shared.settings import Settings
+from shared.settings import Settings, parse_cuda_graphs
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class WorkerService:
             ),
             metrics=self.metrics,
             max_loras=settings.max_loras,
+            cuda_graphs=parse_cuda_graphs(settings.cuda_graphs),
         )
         self.metrics.kv_blocks.set(self.runner.kv_cache.num_blocks)
         # --lora-adapters, checked now (a bad one stops the worker), registered in announce()

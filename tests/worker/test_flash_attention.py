@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from services.worker import flash_attention
-from services.worker.backends import PagedFlash
+from services.worker.cuda_graphs import CudaPaged
 from services.worker.flash_attention import (
     FLASH_ATTN,
     SDPA,
@@ -190,7 +190,7 @@ def test_availability_needs_a_flash_attn_with_block_table(
 
 
 def test_backend_choice(stand_in):
-    """With flash-attn (the stand-in: available everywhere), a paged model runs PagedFlash,
+    """With flash-attn (the stand-in: available everywhere), a paged model runs CudaPaged on it,
     its pages 256 tokens long; a model on its own cache does not."""
 
     model = torch.nn.Linear(2, 2)  # the backends only keep it
@@ -200,7 +200,7 @@ def test_backend_choice(stand_in):
         return LoadedModel(model, None, shape, [2], 512, device, runner)  # type: ignore[arg-type]
 
     flash = pick_backend(loaded())
-    assert isinstance(flash, PagedFlash) and flash.name == FLASH_ATTN
+    assert isinstance(flash, CudaPaged) and flash.name == FLASH_ATTN and flash.flash
     assert flash.block_size(16, CUDA, HALF) == 256
     fallback = pick_backend(loaded(runner=FALLBACK))
     assert fallback.name == SDPA and not fallback.uses_paged_cache

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU checks (issue 22) on a machine with a CUDA GPU, PyTorch, transformers and Triton:
+# `pytest -m gpu`, then `textgen bench` on the SmolLM2-135M and Llama-3.2-1B shapes (random
+# weights, bf16, 128-token prompts, 128 new tokens) at 1, 32 and 256 streams, with the
+# in-process engine beside the server at 32 and the batch-1 memory roofline. Results land in
+# DIR: gpu.txt, pytest.txt, bench.log and one JSON report per bench run.
+#   [SKIP_PYTEST=1] [SHAPES="smollm2-135m llama-3.2-1b"] scripts/gpu_check.sh DIR
+set -u
+out=${1:-gpu-check}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c "import torch, transformers, triton; print('torch', torch.__version__,
+'transformers', transformers.__version__, 'triton', triton.__version__)"
+    echo "cpus $(nproc)"
+} >>"$out/gpu.txt" 2>&1
+if [ -z "${SKIP_PYTEST:-}" ]; then
+    timeout "${PYTEST_TIMEOUT:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/worker >"$out/pytest.txt" 2>&1
+    echo "pytest exit $?" >>"$out/gpu.txt"
+fi
+bench() {  # NAME SHAPE ARGS...
+    local name=$1 shape=$2 started=$SECONDS
+    shift 2
+    echo "=== $name" >>"$out/bench.log"
+    timeout "${BENCH_TIMEOUT:-150}" python3 -m services.launcher.cli bench --random-model "$shape" \
+        --input-len-range 128:128 --output-len-range 128:128 --json --no-progress "$@" \
+        >"$out/$name.json" 2>>"$out/bench.log"
+    echo "$name exit $? in $((SECONDS - started)) s" >>"$out/gpu.txt"
+}
+# the launched server keeps 16 GB of KV cache: the in-process engine loads beside it
+memory=(--launch-arg=--kv-cache-memory --launch-arg=16000000000)
+for shape in ${SHAPES:-smollm2-135m llama-3.2-1b}; do
+    bench "$shape-c32-c256" "$shape" --concurrency 32,256 --num-requests 512 \
+        --compare-inprocess "${memory[@]}"
+    bench "$shape-c1" "$shape" --concurrency 1 --num-requests 16 --ceiling "${memory[@]}"
+done

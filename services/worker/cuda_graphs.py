@@ -1,0 +1,245 @@
+"""The CUDA forward pass: paged attention through a Triton kernel, decode steps as CUDA graphs.
+
+Eager steps (prompt chunks, mixed steps, LoRA, speculative drafts): transformers' modules with
+textgen's paged attention function. Requests of at most ROW_QUERIES queries (decodes, drafts)
+are query rows of one Triton kernel that reads their blocks in place
+(services/worker/triton_attention.py); longer prompt chunks go to PyTorch's SDPA one request at
+a time. With flash-attn installed, every request goes through flash_attn_varlen_func instead.
+
+Decode steps (every request one query, nothing else asked of the pass) replay a CUDA graph: at
+load, the whole forward pass is captured once per batch size in `sizes` (TGI's --cuda-graphs),
+over static input buffers, largest first into one shared memory pool. A step of B requests
+replays the smallest graph of at least B rows; the padding rows read and write one spare KV
+block that the scheduler never hands out, so they touch no request's cache:
+
+    static rows   | r0 | r1 | r2 | pad | pad |        graph of 5 rows, a step of 3
+    slot_mapping  | s  | s  | s  | spare block's first slot ...
+    row_lens      | n0 | n1 | n2 |  1  |  1  |
+    logits        | l0 | l1 | l2 |  -  |  -  |  -> the step's 3 rows
+
+Python and launch overhead then cost one replay per step instead of ~10 kernel launches per
+layer, which is what decides the step time of small models on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from services.worker import flash_attention
+from services.worker.backends import PackedBatch, TransformersPaged
+from services.worker.kv_cache import PagedKVCache
+from services.worker.paged_attention import METADATA_KWARG, AttentionMetadata, RowTables
+
+log = logging.getLogger(__name__)
+
+TRITON = "triton"  # the attention name the worker reports (/info model_attention)
+ROW_QUERIES = 16  # requests with at most this many queries this step go to the Triton kernel
+
+
+def default_sizes(max_batch_size: int) -> list[int]:
+    """Batch sizes captured when --cuda-graphs is not given: 1, 2, 4, 8, then every 16 up
+    to --max-batch-size (vLLM's spacing)."""
+    sizes = [size for size in (1, 2, 4, 8) if size <= max_batch_size]
+    sizes += list(range(16, max_batch_size + 1, 16))
+    if sizes[-1] != max_batch_size:
+        sizes.append(max_batch_size)
+    return sizes
+
+
+def row_tables(
+    batch: PackedBatch, requests: list[int], block_size: int, device: torch.device
+) -> RowTables:
+    """One row per query of each of `requests` (indices into the step), with its causal key
+    count; the tables travel to the device in one copy."""
+    rows: list[int] = []
+    row_request: list[int] = []
+    row_lens: list[int] = []
+    for index, i in enumerate(requests):
+        start, end = batch.query_start[i], batch.query_start[i + 1]
+        context_len = batch.context_lens[i]
+        rows.extend(range(start, end))
+        row_request.extend([index] * (end - start))
+        row_lens.extend(range(context_len - (end - start) + 1, context_len + 1))
+    table, max_blocks = PagedKVCache.padded_block_tables(
+        [batch.block_tables[i] for i in requests],
+        [batch.context_lens[i] for i in requests],
+        block_size,
+    )
+    packed = torch.tensor(rows + row_request + row_lens + table, dtype=torch.int32).to(device)
+    n = len(rows)
+    return RowTables(
+        rows=packed[:n],
+        row_request=packed[n : 2 * n],
+        row_lens=packed[2 * n : 3 * n],
+        block_tables=packed[3 * n :].view(len(requests), max_blocks),
+    )
+
+
+@dataclass
+class GraphStep:
+    """A decode step copied into the static buffers: replay `graph`, keep `num_rows` rows."""
+
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [graph rows, vocab], written by the replay
+    num_rows: int
+
+
+class CudaPaged(TransformersPaged):
+    """transformers' modules on CUDA: Triton paged attention, SDPA (or flash-attn) for long
+    prompt chunks, CUDA graphs for decode steps."""
+
+    name = TRITON
+    spare_blocks = 1  # the padding rows' block (graph replays)
+
+    def __init__(
+        self, model: torch.nn.Module, device: torch.device, sizes: list[int], flash: bool = False
+    ) -> None:
+        super().__init__(model, device)
+        self.sizes = sorted(set(sizes))  # batch sizes with a graph (empty: always eager)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.static: dict[str, torch.Tensor] = {}
+        self.flash = flash  # flash-attn is installed: it attends the eager steps
+        self.graph_steps = 0  # steps replayed from a graph (the rest ran eagerly)
+        self.name = flash_attention.FLASH_ATTN if flash else TRITON
+
+    def block_size(self, requested: int, device: torch.device, shape: Any) -> int:
+        if not self.flash:
+            return requested
+        return flash_attention.flash_block_size(requested, device, shape)
+
+    def metadata(self, batch: PackedBatch, kv_cache: PagedKVCache) -> AttentionMetadata:
+        meta = super().metadata(batch, kv_cache)
+        block_size = kv_cache.block_size
+        if self.flash:
+            meta.flash = flash_attention.make_metadata(
+                batch.query_start, batch.context_lens, batch.block_tables, block_size, self.device
+            )
+            return meta
+        query_start = batch.query_start
+        q_lens = [end - start for start, end in zip(query_start, query_start[1:])]
+        short = [i for i, q_len in enumerate(q_lens) if q_len <= ROW_QUERIES]
+        if short:
+            meta.rows = row_tables(batch, short, block_size, self.device)
+        is_short = set(short)
+        meta.prefill_indices = [i for i in range(len(q_lens)) if i not in is_short]
+        meta.context_slots = [
+            torch.empty(0, dtype=torch.long)
+            if i in is_short
+            else kv_cache.slots(batch.block_tables[i], batch.context_lens[i]).to(self.device)
+            for i in range(len(q_lens))
+        ]
+        return meta
+
+    def prepare(self, batch: PackedBatch, kv_cache: PagedKVCache) -> Any:  # or a GraphStep
+        num_rows = len(batch.states)
+        size = next((size for size in self.sizes if size >= num_rows), None)
+        if (
+            size is None
+            or size not in self.graphs
+            or batch.input_ids.shape[1] != num_rows  # a prompt chunk or drafts
+            or len(batch.sample_rows) != num_rows  # a 1-token chunk that samples nothing
+            or batch.prompt_rows
+            or any(state.adapter is not None for state in batch.states)
+        ):
+            return self.metadata(batch, kv_cache)
+        self._fill(batch, num_rows, size, kv_cache.block_size)
+        graph, logits = self.graphs[size]
+        return GraphStep(graph, logits, num_rows)
+
+    def forward(self, batch: PackedBatch, kv_cache: PagedKVCache, rows: list[int]) -> torch.Tensor:
+        step = batch.prepared
+        if isinstance(step, GraphStep):
+            step.graph.replay()
+            self.graph_steps += 1
+            return step.logits[: step.num_rows]  # rows == range(num_rows): one decode each
+        return super().forward(batch, kv_cache, rows)
+
+    def _fill(self, batch: PackedBatch, num_rows: int, size: int, block_size: int) -> None:
+        """Copy the step into the static buffers; padding rows up to `size` use the spare block."""
+        static = self.static
+        lens = batch.context_lens + [1] * (size - num_rows)
+        table, max_blocks = PagedKVCache.padded_block_tables(
+            batch.block_tables, batch.context_lens, block_size
+        )
+        staged = torch.tensor(lens + table, dtype=torch.int32).to(self.device)
+        static["row_lens"][:size].copy_(staged[:size])
+        static["block_tables"][:num_rows, :max_blocks].copy_(staged[size:].view(num_rows, -1))
+        static["block_tables"][num_rows:size].fill_(int(static["spare_block"]))
+        static["input_ids"][0, :num_rows].copy_(batch.input_ids[0])
+        static["position_ids"][0, :num_rows].copy_(batch.position_ids[0])
+        static["slot_mapping"][:num_rows].copy_(batch.slot_mapping)
+        static["slot_mapping"][num_rows:size].fill_(int(static["spare_slot"]))
+
+    @torch.inference_mode()
+    def capture(self, kv_cache: PagedKVCache, max_model_len: int) -> None:
+        """One graph per size, largest first, sharing one memory pool."""
+        if not self.sizes or self.device.type != "cuda":
+            return
+        started = time.perf_counter()
+        largest = self.sizes[-1]
+        block_size = kv_cache.block_size
+        spare_block = kv_cache.num_blocks  # allocated past the scheduler's blocks
+        max_blocks = -(-max_model_len // block_size)
+        device = self.device
+
+        def int_buffer(*shape: int, fill: int, dtype=torch.int32) -> torch.Tensor:
+            return torch.full(shape, fill, dtype=dtype, device=device)
+
+        self.static = static = {
+            "input_ids": int_buffer(1, largest, fill=0, dtype=torch.long),
+            "position_ids": int_buffer(1, largest, fill=0, dtype=torch.long),
+            "slot_mapping": int_buffer(largest, fill=spare_block * block_size, dtype=torch.long),
+            "rows": torch.arange(largest, dtype=torch.int32, device=device),
+            "row_lens": int_buffer(largest, fill=1),
+            "block_tables": int_buffer(largest, max_blocks, fill=spare_block),
+            "spare_block": torch.tensor(spare_block),
+            "spare_slot": torch.tensor(spare_block * block_size),
+        }
+        pool = None
+        for size in reversed(self.sizes):
+            meta = AttentionMetadata(
+                kv_cache=kv_cache,
+                slot_mapping=static["slot_mapping"][:size],
+                query_start=[],
+                context_lens=[],
+                context_slots=[],
+                prefill_indices=[],
+                rows=RowTables(
+                    rows=static["rows"][:size],
+                    row_request=static["rows"][:size],
+                    row_lens=static["row_lens"][:size],
+                    block_tables=static["block_tables"][:size],
+                ),
+            )
+
+            def run(size: int = size, meta: AttentionMetadata = meta) -> torch.Tensor:
+                return self.model(
+                    input_ids=static["input_ids"][:, :size],
+                    position_ids=static["position_ids"][:, :size],
+                    use_cache=False,
+                    logits_to_keep=0,
+                    **{METADATA_KWARG: meta},
+                ).logits[0]
+
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compiles the kernel, settles the allocator
+                    run()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = run()
+            pool = graph.pool()
+            self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize(device)
+        log.info(
+            "CUDA graphs for decode batch sizes %s captured in %.1f s",
+            ",".join(map(str, self.sizes)),
+            time.perf_counter() - started,
+        )

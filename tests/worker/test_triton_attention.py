@@ -1,0 +1,143 @@
+"""The Triton paged-attention kernel (services/worker/triton_attention.py) against PyTorch's
+SDPA path over the same paged cache: decodes, chunk rows, grouped heads, sliding windows.
+
+Without a GPU it runs in Triton's interpreter (CI); with one (marked gpu) compiled, in half
+precision too. The whole eager CUDA backend (its row tables, prompt chunks on SDPA) also runs
+here on the CPU through the interpreter, greedy-equal to transformers."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before Triton reads it: interpret the kernel on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from services.worker import runtime  # noqa: E402
+from services.worker.cuda_graphs import TRITON, CudaPaged  # noqa: E402
+from services.worker.kv_cache import CacheShape, PagedKVCache  # noqa: E402
+from services.worker.loader import load_model  # noqa: E402
+from services.worker.paged_attention import (  # noqa: E402
+    METADATA_KWARG,
+    AttentionMetadata,
+    RowTables,
+    paged_attention_forward,
+)
+from tests.support.engine_loop import EngineLoop, make_request  # noqa: E402
+from tests.support.reference import greedy_continuation, reference_model  # noqa: E402
+
+BLOCK = 16
+NUM_KV_HEADS, GROUP, HEAD_DIM = 2, 3, 24  # a head_dim that is no power of two
+NUM_HEADS = NUM_KV_HEADS * GROUP
+
+# (q_len, context_len, block ids): decodes within, across and at the end of a block, a chunk
+# of 5 queries after 30 cached tokens, a one-token prompt; scattered blocks, some ahead
+BATCH = [
+    (1, 37, [6, 1, 9, 4]),
+    (5, 35, [2, 7, 3]),
+    (1, 1, [10]),
+    (1, 32, [0, 5]),
+    (1, 70, [11, 8, 12, 13, 14]),
+]
+
+
+def kernel_and_sdpa(dtype: torch.dtype, device: torch.device, window: int | None):
+    """One layer's attention output of BATCH through the kernel's rows and through SDPA."""
+    gen = torch.Generator().manual_seed(0)
+    cache = PagedKVCache(CacheShape(1, NUM_KV_HEADS, HEAD_DIM, dtype), 16, BLOCK, device)
+    cache.keys[0].copy_(torch.randn(cache.keys[0].shape, generator=gen))
+    cache.values[0].copy_(torch.randn(cache.values[0].shape, generator=gen))
+    query_start, context_lens, new_slots, context_slots = [0], [], [], []
+    rows, row_request, row_lens = [], [], []
+    for i, (q_len, context_len, blocks) in enumerate(BATCH):
+        slots = cache.slots(blocks, context_len)
+        new_slots.append(slots[context_len - q_len :])
+        context_slots.append(slots.to(device))
+        rows.extend(range(query_start[-1], query_start[-1] + q_len))
+        row_request.extend([i] * q_len)
+        row_lens.extend(range(context_len - q_len + 1, context_len + 1))
+        context_lens.append(context_len)
+        query_start.append(query_start[-1] + q_len)
+    table, max_blocks = PagedKVCache.padded_block_tables(
+        [blocks for *_, blocks in BATCH], context_lens, BLOCK
+    )
+
+    def int32(values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    num_tokens = query_start[-1]
+    query = torch.randn(1, NUM_HEADS, num_tokens, HEAD_DIM, generator=gen).to(device, dtype)
+    key = torch.randn(1, NUM_KV_HEADS, num_tokens, HEAD_DIM, generator=gen).to(device, dtype)
+    value = torch.randn(1, NUM_KV_HEADS, num_tokens, HEAD_DIM, generator=gen).to(device, dtype)
+    layer = type("Layer", (), {"layer_idx": 0})()
+    outputs = []
+    for use_rows in (False, True):
+        meta = AttentionMetadata(
+            kv_cache=cache,
+            slot_mapping=torch.cat(new_slots).to(device),
+            query_start=query_start,
+            context_lens=context_lens,
+            context_slots=context_slots,
+            prefill_indices=[] if use_rows else None,
+            rows=RowTables(
+                int32(rows), int32(row_request), int32(row_lens), int32(table).view(-1, max_blocks)
+            )
+            if use_rows
+            else None,
+        )
+        kwargs = {"scaling": 0.3, "sliding_window": window, METADATA_KWARG: meta}
+        out, _ = paged_attention_forward(layer, query, key, value, None, **kwargs)
+        outputs.append(out[0].float())  # [num_tokens, num_heads, head_dim]
+    return outputs
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_kernel_matches_sdpa(window):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sdpa, rows = kernel_and_sdpa(torch.float32, device, window)
+    assert torch.allclose(rows, sdpa, atol=1e-5), (rows - sdpa).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize(
+    ("dtype", "tolerance"), [(torch.float16, 5e-3), (torch.bfloat16, 3e-2)], ids=["fp16", "bf16"]
+)
+def test_kernel_matches_sdpa_in_half_precision_on_cuda(window, dtype, tolerance):
+    sdpa, rows = kernel_and_sdpa(dtype, torch.device("cuda"), window)
+    assert torch.allclose(rows, sdpa, atol=tolerance), (rows - sdpa).abs().max()
+
+
+def test_eager_cuda_backend_on_the_cpu_matches_transformers(tiny_llama, monkeypatch):
+    """CudaPaged without graphs, its kernel interpreted: decodes and chunks of at most 16
+    queries through the rows, longer chunks through SDPA, in one busy batch."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU run of the GPU backend; on a GPU, tests/worker/test_cuda_path.py")
+    loaded = load_model(str(tiny_llama), device="cpu", cpu_kernels=False)
+    backends: list[CudaPaged] = []
+
+    def cuda_backend(loaded, fake_step_ms=None, cuda_graphs=None):
+        backends.append(CudaPaged(loaded.model, loaded.device, []))
+        return backends[-1]
+
+    monkeypatch.setattr(runtime, "pick_backend", cuda_backend)
+    engine = EngineLoop(loaded, num_blocks=64, max_batch_prefill_tokens=40)
+    assert engine.runner.attention == TRITON
+    gen = torch.Generator().manual_seed(5)
+    lengths = [3, 50, 12, 30]
+    requests = [
+        make_request([1] + torch.randint(3, 300, (n,), generator=gen).tolist(), max_new_tokens=6)
+        for n in lengths
+    ]
+    for request in requests:
+        engine.add(request)
+    engine.run()
+    reference = reference_model(tiny_llama)
+    for request in requests:
+        expected = greedy_continuation(reference, request.input_ids, 6, loaded.eos_token_ids)
+        assert engine.tokens[request.request_id] == expected
+    assert engine.scheduler.counters.num_prefill_chunks > 0
+    assert max(engine.step_sizes) > 1
