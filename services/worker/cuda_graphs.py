@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,12 +176,9 @@ class CudaPaged(TransformersPaged):
         static["slot_mapping"][:num_rows].copy_(batch.slot_mapping)
         static["slot_mapping"][num_rows:size].fill_(int(static["spare_slot"]))
 
-    @torch.inference_mode()
-    def capture(self, kv_cache: PagedKVCache, max_model_len: int) -> None:
-        """One graph per size, largest first, sharing one memory pool."""
-        if not self.sizes or self.device.type != "cuda":
-            return
-        started = time.perf_counter()
+    def allocate_static(self, kv_cache: PagedKVCache, max_model_len: int) -> None:
+        """The graphs' input buffers, sized for the largest graph, padding rows on the spare
+        block (plain tensors, not inference tensors: each step copies into them)."""
         largest = self.sizes[-1]
         block_size = kv_cache.block_size
         spare_block = kv_cache.num_blocks  # allocated past the scheduler's blocks
@@ -190,7 +188,7 @@ class CudaPaged(TransformersPaged):
         def int_buffer(*shape: int, fill: int, dtype=torch.int32) -> torch.Tensor:
             return torch.full(shape, fill, dtype=dtype, device=device)
 
-        self.static = static = {
+        self.static = {
             "input_ids": int_buffer(1, largest, fill=0, dtype=torch.long),
             "position_ids": int_buffer(1, largest, fill=0, dtype=torch.long),
             "slot_mapping": int_buffer(largest, fill=spare_block * block_size, dtype=torch.long),
@@ -200,32 +198,56 @@ class CudaPaged(TransformersPaged):
             "spare_block": torch.tensor(spare_block),
             "spare_slot": torch.tensor(spare_block * block_size),
         }
+
+    def capture(self, kv_cache: PagedKVCache, max_model_len: int) -> None:
+        """One graph per size, largest first, sharing one memory pool."""
+        if not self.sizes or self.device.type != "cuda":
+            return
+        started = time.perf_counter()
+        self.allocate_static(kv_cache, max_model_len)
+        with torch.inference_mode():
+            self._capture_all(kv_cache)
+        log.info(
+            "CUDA graphs for decode batch sizes %s captured in %.1f s",
+            ",".join(map(str, self.sizes)),
+            time.perf_counter() - started,
+        )
+
+    def step_function(self, kv_cache: PagedKVCache, size: int) -> Callable[[], torch.Tensor]:
+        """The forward pass of a decode step of `size` rows over the static buffers: what a
+        graph captures. [size, vocab] logits"""
+        static = self.static
+        meta = AttentionMetadata(
+            kv_cache=kv_cache,
+            slot_mapping=static["slot_mapping"][:size],
+            query_start=[],
+            context_lens=[],
+            context_slots=[],
+            prefill_indices=[],
+            rows=RowTables(
+                rows=static["rows"][:size],
+                row_request=static["rows"][:size],
+                row_lens=static["row_lens"][:size],
+                block_tables=static["block_tables"][:size],
+            ),
+        )
+
+        def run() -> torch.Tensor:
+            return self.model(
+                input_ids=static["input_ids"][:, :size],
+                position_ids=static["position_ids"][:, :size],
+                use_cache=False,
+                logits_to_keep=0,
+                **{METADATA_KWARG: meta},
+            ).logits[0]
+
+        return run
+
+    def _capture_all(self, kv_cache: PagedKVCache) -> None:
+        device = self.device
         pool = None
         for size in reversed(self.sizes):
-            meta = AttentionMetadata(
-                kv_cache=kv_cache,
-                slot_mapping=static["slot_mapping"][:size],
-                query_start=[],
-                context_lens=[],
-                context_slots=[],
-                prefill_indices=[],
-                rows=RowTables(
-                    rows=static["rows"][:size],
-                    row_request=static["rows"][:size],
-                    row_lens=static["row_lens"][:size],
-                    block_tables=static["block_tables"][:size],
-                ),
-            )
-
-            def run(size: int = size, meta: AttentionMetadata = meta) -> torch.Tensor:
-                return self.model(
-                    input_ids=static["input_ids"][:, :size],
-                    position_ids=static["position_ids"][:, :size],
-                    use_cache=False,
-                    logits_to_keep=0,
-                    **{METADATA_KWARG: meta},
-                ).logits[0]
-
+            run = self.step_function(kv_cache, size)
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
@@ -238,8 +260,3 @@ class CudaPaged(TransformersPaged):
             pool = graph.pool()
             self.graphs[size] = (graph, logits)
         torch.cuda.synchronize(device)
-        log.info(
-            "CUDA graphs for decode batch sizes %s captured in %.1f s",
-            ",".join(map(str, self.sizes)),
-            time.perf_counter() - started,
-        )

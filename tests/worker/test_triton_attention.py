@@ -141,3 +141,55 @@ def test_eager_cuda_backend_on_the_cpu_matches_transformers(tiny_llama, monkeypa
         assert engine.tokens[request.request_id] == expected
     assert engine.scheduler.counters.num_prefill_chunks > 0
     assert max(engine.step_sizes) > 1
+
+
+class EagerReplay:
+    """A captured graph's stand-in on the CPU: a replay runs the captured step function again
+    into the same logits tensor (the static buffers, padding rows and spare block are real)."""
+
+    def __init__(self, run, logits: torch.Tensor) -> None:
+        self.run, self.logits, self.replays = run, logits, 0
+
+    def replay(self) -> None:
+        with torch.inference_mode():
+            self.logits.copy_(self.run())
+        self.replays += 1
+
+
+def test_graph_steps_on_the_cpu_match_transformers(tiny_llama, monkeypatch):
+    """The decode-graph path (static buffers, padding rows on the spare block, the smallest
+    graph that fits) with each replay run eagerly: 5 and then fewer requests in graphs of 2, 4
+    and 8 rows, greedy-equal to transformers."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU run of the graph path; on a GPU, tests/worker/test_cuda_path.py")
+    loaded = load_model(str(tiny_llama), device="cpu", cpu_kernels=False)
+    backend = CudaPaged(loaded.model, loaded.device, [2, 4, 8])
+    monkeypatch.setattr(runtime, "pick_backend", lambda *args, **kwargs: backend)
+    engine = EngineLoop(loaded, num_blocks=40)
+    cache = engine.runner.kv_cache
+    assert cache.keys[0].shape[0] == 41 * 16  # the spare block
+    backend.allocate_static(cache, loaded.max_model_len)
+    vocab = loaded.model.config.vocab_size
+    for size in backend.sizes:
+        logits = torch.zeros(size, vocab)
+        backend.graphs[size] = (EagerReplay(backend.step_function(cache, size), logits), logits)
+    gen = torch.Generator().manual_seed(11)
+    requests = [
+        make_request(
+            [1] + torch.randint(3, 300, (n,), generator=gen).tolist(), max_new_tokens=4 + 2 * i
+        )
+        for i, n in enumerate([5, 20, 9, 33, 14])
+    ]
+    for request in requests:
+        engine.add(request)
+    engine.run()
+    reference = reference_model(tiny_llama)
+    for request in requests:
+        expected = greedy_continuation(
+            reference, request.input_ids, request.stopping.max_new_tokens, loaded.eos_token_ids
+        )
+        assert engine.tokens[request.request_id] == expected
+    replays = {size: graph.replays for size, (graph, _) in backend.graphs.items()}
+    assert replays[8] > 0 and replays[4] > 0  # 5 decodes, then 4 or 3 as requests end
+    assert backend.graph_steps == sum(replays.values())
+    assert int(backend.static["slot_mapping"][7]) == 40 * 16  # a padding row: the spare block
