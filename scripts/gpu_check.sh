@@ -4,7 +4,10 @@
 # weights, bf16, 128-token prompts, 128 new tokens) at 1, 32 and 256 streams, with the
 # in-process engine beside the server at 32 and the batch-1 memory roofline. Results land in
 # DIR: gpu.txt, pytest.txt, bench.log and one JSON report per bench run.
-#   [SKIP_PYTEST=1] [SHAPES="smollm2-135m llama-3.2-1b"] scripts/gpu_check.sh DIR
+#   [SKIP_PYTEST=1] [SHAPES="smollm2-135m llama-3.2-1b"] [STAGES="c32 c1"] \
+#       scripts/gpu_check.sh DIR
+# STAGES: c32 (32 and 256 streams, the in-process engine at 32), c1 (1 stream and --ceiling),
+# c256 (256 streams alone)
 set -u
 out=${1:-gpu-check}
 mkdir -p "$out"
@@ -30,13 +33,18 @@ bench() {  # NAME SHAPE ARGS...
         >"$out/$name.json" 2>>"$out/bench.log"
     echo "$name exit $? in $((SECONDS - started)) s" >>"$out/gpu.txt"
 }
-# the launched server keeps 16 GB of KV cache: the in-process engine loads beside it
-memory=(--launch-arg=--kv-cache-memory --launch-arg=16000000000)
+# the launched server keeps 16 GB of KV cache (the in-process engine loads beside it) and
+# admits 512 requests (TGI's default of 128 would turn 256 streams away)
+memory=(--launch-arg=--kv-cache-memory --launch-arg=16000000000
+    --launch-arg=--max-concurrent-requests --launch-arg=512)
 shapes=${SHAPES:-smollm2-135m llama-3.2-1b}
-for shape in $shapes; do
-    bench "$shape-c32-c256" "$shape" --concurrency 32,256 --num-requests 512 \
-        --compare-inprocess "${memory[@]}"
-done
-for shape in $shapes; do
-    bench "$shape-c1" "$shape" --concurrency 1 --num-requests 16 --ceiling "${memory[@]}"
+for stage in ${STAGES:-c32 c1}; do
+    for shape in $shapes; do
+        case $stage in
+        c32) bench "$shape-c32-c256" "$shape" --concurrency 32,256 --num-requests 512 \
+            --compare-inprocess "${memory[@]}" ;;
+        c1) bench "$shape-c1" "$shape" --concurrency 1 --num-requests 16 --ceiling "${memory[@]}" ;;
+        c256) bench "$shape-c256" "$shape" --concurrency 256 --num-requests 512 "${memory[@]}" ;;
+        esac
+    done
 done

@@ -260,3 +260,17 @@ class CudaPaged(TransformersPaged):
             pool = graph.pool()
             self.graphs[size] = (graph, logits)
         torch.cuda.synchronize(device)
+
+    def replay_seconds(self, size: int, repeats: int = 50) -> float:
+        """Mean seconds of one replay of the `size`-row graph alone (no step around it), its
+        rows writing the spare block: the forward pass's own time on the device."""
+        static = self.static
+        static["slot_mapping"][:size].fill_(int(static["spare_slot"]))
+        graph, _ = self.graphs[size]
+        graph.replay()
+        torch.cuda.synchronize(self.device)
+        started = time.perf_counter()
+        for _ in range(repeats):
+            graph.replay()
+        torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - started) / repeats

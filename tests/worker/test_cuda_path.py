@@ -1,7 +1,16 @@
 """The CUDA path end to end in process (marked gpu: skipped without a GPU): the engine on
 CudaPaged (Triton paged attention, decode steps as CUDA graphs) greedy-equal to transformers'
 generate on the same GPU, alone and in busy batches with chunked prefill, prefix-cache hits
-and preemption; graphs against eager steps; bitsandbytes int8/nf4 on CUDA."""
+and preemption; graphs against eager steps; bitsandbytes int8/nf4 on CUDA.
+
+float32 is compared token for token. In half precision two correct GPU paths round apart
+(transformers' SDPA rounds the attention weights to bf16 before multiplying the values, the
+Triton kernel keeps float32; cuBLAS picks other kernels for 1 row than for 3), and a random
+tiny model has near-ties: there the outputs must agree token for token up to a near-tie, where
+the reference's own logits of both tokens are within NEAR_TIE (the first H100 run met one at
+the 8th token of 12 prompts). NEAR_TIE is the drift between transformers' own two bfloat16
+paths: its eager and SDPA attention differ by up to 0.23 in this model's logits (largest of
+1200 positions, on the CPU); a wrong kernel departs at once and by whole logits."""
 
 from __future__ import annotations
 
@@ -17,6 +26,22 @@ from tests.support.reference import greedy_continuation
 pytestmark = pytest.mark.gpu
 
 DTYPES = ["float32", "bfloat16"]
+NEAR_TIE = 0.25  # logits: how close two tokens may be where half-precision outputs part
+
+
+def assert_greedy_matches(reference, prompt, got, want, exact: bool) -> None:
+    """`got` equals transformers' greedy `want`; unless `exact`, up to a near-tie where they
+    first part (after it, each follows its own token)."""
+    if exact or got == want:
+        assert got == want
+        return
+    part = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+    assert part is not None, f"one stops early: {got} vs {want}"
+    with torch.inference_mode():
+        ids = torch.tensor([prompt + want[:part]], device=reference.device)
+        logits = reference(ids).logits[0, -1].float()
+    gap = float(logits[want[part]] - logits[got[part]])
+    assert gap <= NEAR_TIE, f"token {part}: {got[part]} trails {want[part]} by {gap:.3f}"
 
 
 def prompts(count: int, vocab: int = 300, seed: int = 123) -> list[list[int]]:
@@ -56,10 +81,12 @@ def test_alone_and_busy_batch_with_chunked_prefill_match_generate(tiny_llama, dt
     assert engine.runner.attention == TRITON and backend(engine).graphs
     requests = [make_request(p, max_new_tokens=8 + (i * 5) % 20) for i, p in enumerate(prompts(12))]
     expected = expected_tokens(reference, requests, loaded.eos_token_ids)
+    exact = dtype == "float32"
     for request in requests[:3]:  # alone
         engine.add(request)
         engine.run()
-        assert engine.tokens[request.request_id] == expected[request.request_id]
+        got, want = engine.tokens[request.request_id], expected[request.request_id]
+        assert_greedy_matches(reference, request.input_ids, got, want, exact)
     busy = [make_request(r.input_ids, r.stopping.max_new_tokens) for r in requests]
     for request in busy[:6]:
         engine.add(request)
@@ -69,7 +96,8 @@ def test_alone_and_busy_batch_with_chunked_prefill_match_generate(tiny_llama, dt
         engine.add(request)
     engine.run()
     for request, original in zip(busy, requests, strict=True):
-        assert engine.tokens[request.request_id] == expected[original.request_id]
+        got, want = engine.tokens[request.request_id], expected[original.request_id]
+        assert_greedy_matches(reference, request.input_ids, got, want, exact)
     counters = engine.scheduler.counters
     assert counters.num_prefill_chunks > 0 and counters.num_mixed_steps > 0
     assert backend(engine).graph_steps > 0  # decode steps replayed graphs
@@ -143,7 +171,8 @@ def test_cuda_graphs_zero_runs_every_step_eagerly(tiny_llama):
     outputs = engine.generate(prompts(3), max_new_tokens=8)
     reference = cuda_reference(tiny_llama, "bfloat16")
     for out, ids in zip(outputs, prompts(3), strict=True):
-        assert out.token_ids == greedy_continuation(reference, ids, 8, loaded.eos_token_ids)
+        want = greedy_continuation(reference, ids, 8, loaded.eos_token_ids)
+        assert_greedy_matches(reference, ids, out.token_ids, want, exact=False)
     assert backend(engine).graph_steps == 0  # type: ignore[arg-type]
 
 
@@ -168,5 +197,6 @@ def test_bitsandbytes_on_cuda_matches_transformers(tiny_llama, method):
     expected = [greedy_continuation(reference, ids, 12, [2]) for ids in batch]
     alone = [engine.generate([ids], max_new_tokens=12)[0].token_ids for ids in batch]
     together = [out.token_ids for out in engine.generate(batch, max_new_tokens=12)]
-    assert alone == expected
-    assert together == expected
+    for ids, got_alone, got_together, want in zip(batch, alone, together, expected, strict=True):
+        assert_greedy_matches(reference, ids, got_alone, want, exact=False)
+        assert_greedy_matches(reference, ids, got_together, want, exact=False)
