@@ -43,7 +43,7 @@ for stage in ${STAGES:-c32 c1}; do
         case $stage in
         c32) bench "$shape-c32-c256" "$shape" --concurrency 32,256 --num-requests 512 \
             --compare-inprocess "${memory[@]}" ;;
-        c1) bench "$shape-c1" "$shape" --concurrency 1 --num-requests 16 --ceiling "${memory[@]}" ;;
+        c1) bench "$shape-c1" "$shape" --concurrency 1 --num-requests ${C1_REQUESTS:-16} --ceiling "${memory[@]}" ;;
         c256) bench "$shape-c256" "$shape" --concurrency 256 --num-requests 512 "${memory[@]}" ;;
         esac
     done
