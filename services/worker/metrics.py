@@ -84,6 +84,11 @@ class WorkerMetrics:
             ["kernel", "instruction_set"],
             registry=r,
         )
+        self.graph_steps = Counter(
+            "textgen_worker_cuda_graph_steps",
+            "decode steps replayed from a CUDA graph (the rest ran eagerly)",
+            registry=r,
+        )
         self.requests = Gauge("textgen_worker_requests", "requests held", registry=r)
         self.kv_blocks = Gauge("textgen_worker_kv_blocks", "KV-cache blocks allocated", registry=r)
         # constrained decoding (services/worker/grammar.py)

@@ -88,6 +88,7 @@ class WorkerService:
         # every forward on the thread that loaded the model: see services/worker/main.py
         self._forward_thread = torch_thread or ThreadPoolExecutor(1, thread_name_prefix="torch")
         self._last_step_end: float | None = None  # perf_counter, on the torch thread
+        self._graph_steps = 0  # the backend's graph_steps counted into the metrics so far
         self._is_cancelled = False  # the event loop gave up on the torch thread's loop
 
     def ready_message(self) -> WorkerReady:
@@ -258,6 +259,9 @@ class WorkerService:
         self.metrics.accepted_tokens.inc(result.num_accepted_tokens)
         self.metrics.grammar_waits.inc(sum(o.awaits_grammar for o in result.outputs))
         self.metrics.requests.set(len(self.runner.requests))
+        replayed = self.runner.backend.graph_steps
+        self.metrics.graph_steps.inc(replayed - self._graph_steps)
+        self._graph_steps = replayed
         if result.error:
             self.metrics.step_failures.inc()
         if self.is_last_step_ok != (not result.error):

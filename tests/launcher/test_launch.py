@@ -398,3 +398,29 @@ def test_launch_refuses_a_bad_lora_adapter_in_one_line(tiny_llama, tmp_path):
     assert len(lines) == 1 and "Traceback" not in out.stderr + out.stdout, out.stderr
     expected = f"no adapter_config.json in {str(tmp_path)!r} (adapters load from local folders)"
     assert lines[0] == f"textgen launch: {expected}"
+
+
+def test_launch_with_cuda_graphs(tiny_llama):
+    """--cuda-graphs (TGI's flag) reaches the worker: on a CPU host it is accepted and the
+    server serves (no graphs there); a malformed list is one line and exit 2."""
+    port = free_port()
+    process = launch(tiny_llama, port, "--cuda-graphs", "1,2,4,8")
+    try:
+        wait_for_line(process, "textgen is ready", timeout=120)
+        body = {"inputs": "the cat", "parameters": {"max_new_tokens": 3}}
+        answer = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=60)
+        assert answer.status_code == 200 and answer.json()["generated_text"]
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "services.launcher.cli", "launch", "--model-id", str(tiny_llama)]
+        + ["--cuda-graphs", "1,x"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out
+    assert "cuda_graphs must be batch sizes like 1,2,4,8 or 0, not '1,x'" in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout

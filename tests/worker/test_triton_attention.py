@@ -193,3 +193,19 @@ def test_graph_steps_on_the_cpu_match_transformers(tiny_llama, monkeypatch):
     assert replays[8] > 0 and replays[4] > 0  # 5 decodes, then 4 or 3 as requests end
     assert backend.graph_steps == sum(replays.values())
     assert int(backend.static["slot_mapping"][7]) == 40 * 16  # a padding row: the spare block
+
+
+def test_cuda_graph_sizes():
+    from services.worker.cuda_graphs import default_sizes
+    from shared.settings import Settings, parse_cuda_graphs
+
+    assert default_sizes(256)[:6] == [1, 2, 4, 8, 16, 32] and default_sizes(256)[-1] == 256
+    assert default_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert default_sizes(3) == [1, 2, 3]
+    assert parse_cuda_graphs("8,1,2,2") == [1, 2, 8]
+    assert parse_cuda_graphs("0") == [] and parse_cuda_graphs(None) is None
+    for bad in ("1,x", "-2", ","):
+        with pytest.raises(ValueError, match="cuda_graphs must be"):
+            parse_cuda_graphs(bad)
+    with pytest.raises(ValueError, match="cuda_graphs must be"):
+        Settings(cuda_graphs="4,-1")
