@@ -58,6 +58,12 @@ class Channels:
         """Stream of StepResult from a worker group."""
         return f"{self.namespace}:group:{group}:results"
 
+    def directed(self, group: str) -> str:
+        """Request stream of one group: requests a gateway routed there because the group
+        holds their LoRA adapter. Its scheduler reads it before the lanes; every scheduler
+        takes its entries once the group stops beating or drains."""
+        return f"{self.namespace}:group:{group}:requests"
+
     def worker(self, group: str) -> str:
         """Key holding the group's WorkerReady."""
         return f"{self.namespace}:group:{group}:worker"

@@ -263,6 +263,7 @@ class Heartbeat(Message):
     last_step_id: int = 0  # last step executed
     num_requests: int = 0  # requests held by the worker
     is_last_step_ok: bool = True  # False after a failed step, until a step succeeds again
+    adapters: list[str] = []  # ids of the LoRA adapters the group holds (gateways route by it)
 
 
 class SchedulerStats(Message):

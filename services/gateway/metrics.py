@@ -33,6 +33,7 @@ class GatewayMetrics:
         self.num_tool_calls: Counter[str] = Counter()  # tool calls answered by tool_choice mode
         self.num_adapter_requests: Counter[str] = Counter()  # requests admitted per LoRA adapter
         self.num_unknown_adapters = 0  # requests naming an adapter nobody registered
+        self.num_routed_adapter_requests = 0  # sent to the group holding their adapter
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(name, doc, buckets=buckets, registry=self.registry)
@@ -148,5 +149,9 @@ class GatewayMetrics:
             "(404 on OpenAI routes while adapters are served, else the base model answers)",
             "# TYPE textgen_unknown_adapter_requests counter",
             f"textgen_unknown_adapter_requests {self.num_unknown_adapters}",
+            "# HELP textgen_routed_adapter_requests requests sent to the worker group holding "
+            "their LoRA adapter (the others take the priority lanes)",
+            "# TYPE textgen_routed_adapter_requests counter",
+            f"textgen_routed_adapter_requests {self.num_routed_adapter_requests}",
         ]
         return ("\n".join(lines) + "\n").encode() + generate_latest(self.registry)

@@ -2,15 +2,19 @@
 letting them go.
 
 Requests are read (XREADGROUP, group "schedulers") most urgent lane first and never past the
-room the group has (lanes.py: one round trip); an idle scheduler blocks on every lane at once
-for the next arrival; entries of schedulers that went silent are claimed; held entries are
-kept fresh so nobody claims them. An entry leaves the stream only when its request ended
+room the group has (lanes.py: one round trip), the group's own stream before the lanes (the
+requests gateways routed here because the group holds their LoRA adapter:
+services/gateway/pipeline/routing.py); an idle scheduler blocks on all of them at once for the
+next arrival; entries of schedulers that went silent are claimed, and the own streams of groups
+that stopped beating or drain are read by whoever has room; held entries are kept fresh so
+nobody claims them. An entry leaves the stream only when its request ended
 (XACK, then XDEL), or is handed back (requeued with the tokens it already has). Unreadable
 entries go to the dead letters; aborted and expired ones are acknowledged away unseen.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -35,6 +39,8 @@ from shared.bus import as_text, ensure_group, stream_fields
 from shared.channels import SCHEDULER_GROUP, Channels
 from shared.messages import GenerateRequest
 
+log = logging.getLogger(__name__)
+
 Taken = tuple[GenerateRequest, bytes, str]  # (request, its entry id, its lane)
 IDLE_BLOCK_MS = 1000  # an idle scheduler's wait for the next arrival, per read
 
@@ -48,6 +54,7 @@ class RequestIntake:
         aborts: AbortListener,
         metrics: SchedulerMetrics,
         claim_timeout: float,
+        group: str = "0",
     ) -> None:
         self.redis = redis
         self.channels = channels
@@ -55,12 +62,22 @@ class RequestIntake:
         self.aborts = aborts  # ids whose entries are acknowledged away unseen
         self.metrics = metrics
         self.claim_timeout = claim_timeout  # s of silence before another scheduler claims
-        self.lanes = LaneReader(redis, channels.lanes, SCHEDULER_GROUP, consumer)
+        self.group = group  # the worker group this scheduler drives
+        # the group's own stream first (routed requests), then the lanes, most urgent first
+        self.streams = [channels.directed(group), *channels.lanes]
+        self.lanes = LaneReader(redis, self.streams, SCHEDULER_GROUP, consumer)
+        self._grouped: set[str] = set()  # streams known to have the consumer group
 
     async def open(self) -> None:
-        """Create the consumer group on every lane where it is missing."""
-        for lane in self.channels.lanes:
-            await ensure_group(self.redis, lane, SCHEDULER_GROUP)
+        """Create the consumer group on every stream read where it is missing."""
+        self._grouped.clear()
+        for stream in self.streams:
+            await self._ensure_group(stream)
+
+    async def _ensure_group(self, stream: str) -> None:
+        if stream not in self._grouped:
+            await ensure_group(self.redis, stream, SCHEDULER_GROUP)
+            self._grouped.add(stream)
 
     async def pull(self, room: int, block: bool, wait_s: float = 0.0) -> list[Taken]:
         """Up to `room` new requests, the most urgent lanes' first (one round trip); when
@@ -69,7 +86,7 @@ class RequestIntake:
         entries = await self.lanes.read(room)
         block_ms = IDLE_BLOCK_MS if block else int(wait_s * 1000)
         if not entries and block_ms >= 1:
-            lanes: dict[KeyT, StreamIdT] = {lane: ">" for lane in self.channels.lanes}
+            lanes: dict[KeyT, StreamIdT] = {stream: ">" for stream in self.streams}
             reply: Any = await self.redis.xreadgroup(
                 SCHEDULER_GROUP, self.consumer, lanes, count=1, block=block_ms
             )
@@ -81,12 +98,50 @@ class RequestIntake:
         return await self._take_all(entries)
 
     async def claim(self, room: int) -> list[Taken]:
-        """Up to `room` requests of schedulers silent for claim_timeout."""
+        """Up to `room` requests: those routed to groups that stopped beating or drain and
+        not yet read, then those of schedulers silent for claim_timeout (on every stream)."""
+        orphaned, own_streams = await self._orphaned_streams()
+        entries: list[tuple[str, bytes, dict[bytes, bytes]]] = []
+        for stream in orphaned:
+            if len(entries) >= room:
+                break
+            await self._ensure_group(stream)
+            reply: Any = await self.redis.xreadgroup(
+                SCHEDULER_GROUP, self.consumer, {stream: ">"}, count=room - len(entries)
+            )
+            entries += [
+                (stream, entry_id, fields) for _, got in reply or [] for entry_id, fields in got
+            ]
+        if entries:
+            log.warning("took %d requests routed to a group that is gone or draining", len(entries))
+            self.metrics.orphaned.inc(len(entries))
+        for stream in own_streams:
+            await self._ensure_group(stream)
         claimed = await claim_abandoned(
-            self.redis, self.channels, self.consumer, self.claim_timeout, room
+            self.redis,
+            [*self.channels.lanes, *own_streams],
+            self.consumer,
+            self.claim_timeout,
+            room - len(entries),
         )
         self.metrics.claimed.inc(len(claimed))
-        return await self._take_all(claimed)
+        return await self._take_all(entries + claimed)
+
+    async def _orphaned_streams(self) -> tuple[list[str], list[str]]:
+        """The own streams of the groups that stopped beating or drain (this one's aside),
+        and those of every known group."""
+        groups = sorted(as_text(raw) for raw in await self.redis.smembers(self.channels.groups))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for group in groups:
+                pipe.exists(self.channels.heartbeat(group))
+                pipe.exists(self.channels.drain(group))
+            replies = await pipe.execute()
+        orphaned = [
+            self.channels.directed(group)
+            for group, beating, draining in zip(groups, replies[::2], replies[1::2], strict=True)
+            if group != self.group and (not beating or draining)
+        ]
+        return orphaned, [self.channels.directed(group) for group in groups]
 
     async def _take_all(self, entries: list[tuple[str, bytes, dict[bytes, bytes]]]) -> list[Taken]:
         """The requests of `entries` that are to be scheduled (counted as pulled)."""

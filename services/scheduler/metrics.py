@@ -66,6 +66,11 @@ class SchedulerMetrics:
         self.cached_blocks = Gauge(
             "textgen_scheduler_prefix_cache_blocks", "blocks holding a cached prefix", registry=r
         )
+        self.orphaned = Counter(
+            "textgen_scheduler_orphaned_routed_requests",
+            "requests routed to a group that stopped beating or drains, taken by this one",
+            registry=r,
+        )
         self.claimed = Counter(
             "textgen_scheduler_claimed", "requests taken over from a silent scheduler", registry=r
         )

@@ -81,12 +81,12 @@ async def keep_fresh(
 
 
 async def claim_abandoned(
-    redis: aioredis.Redis, channels: Channels, consumer: str, min_idle_s: float, count: int
+    redis: aioredis.Redis, lanes: list[str], consumer: str, min_idle_s: float, count: int
 ) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
-    """Take over up to `count` (stream, entry id, fields) idle for min_idle_s, most urgent
-    lane first (their scheduler is gone)."""
+    """Take over up to `count` (stream, entry id, fields) idle for min_idle_s, in the order of
+    `lanes` (most urgent first; their scheduler is gone)."""
     claimed: list[tuple[str, bytes, dict[bytes, bytes]]] = []
-    for lane in channels.lanes:
+    for lane in lanes:
         start = b"0-0"
         while len(claimed) < count:
             reply = await redis.xautoclaim(

@@ -66,7 +66,13 @@ class SchedulerService:
         self.scheduler: Scheduler | None = None
         self.aborts = AbortListener(redis, self.channels, settings.request_timeout)
         self.intake = RequestIntake(
-            redis, self.channels, self.consumer, self.aborts, self.metrics, settings.claim_timeout
+            redis,
+            self.channels,
+            self.consumer,
+            self.aborts,
+            self.metrics,
+            settings.claim_timeout,
+            settings.group,
         )
         self.draining = False
         self.stop_at: float | None = None  # unix s; set by request_stop()

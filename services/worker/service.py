@@ -283,6 +283,7 @@ class WorkerService:
             last_step_id=self.last_step_id,
             num_requests=len(self.runner.requests),
             is_last_step_ok=self.is_last_step_ok,
+            adapters=list(self.runner.lora.held) if self.runner.lora is not None else [],
         )
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(self.channels.worker(self.group), self._ready_bytes)

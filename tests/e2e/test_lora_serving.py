@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
+import signal
 import time
 
 import httpx
@@ -253,3 +254,69 @@ def test_adapter_streams_survive_a_dead_worker_group(own_cluster, tiny_llama, ad
         assert [e["index"] for e in events] == list(range(1, len(events) + 1))
         path = adapters[adapter] if adapter else None
         assert [e["token"]["id"] for e in events] == expected_text(tiny_llama, path, prompt, n)[0]
+
+
+def holders(cluster: Cluster, adapter_name: str) -> list[str]:
+    """The groups whose heartbeat lists the adapter (read from Redis)."""
+    import redis
+
+    from shared.codec import decode
+    from shared.messages import AdapterRef, Heartbeat
+
+    client = redis.Redis.from_url(cluster.redis_url)
+    ref = decode(client.hget(f"{cluster.namespace}:adapters", adapter_name), AdapterRef)
+    beats = {g: client.get(f"{cluster.namespace}:group:{g}:heartbeat") for g in cluster.groups}
+    return [g for g, beat in beats.items() if beat and ref.id in decode(beat, Heartbeat).adapters]
+
+
+def wait_for_holder(cluster: Cluster, adapter_name: str, timeout: float = 15.0) -> str:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if found := holders(cluster, adapter_name):
+            return found[0]
+        time.sleep(0.2)
+    raise AssertionError(f"no group lists adapter {adapter_name} in its heartbeat")
+
+
+def test_requests_go_to_the_group_holding_their_adapter(own_cluster, tiny_llama, adapters):
+    """Two idle groups: once one holds adapter a (its first request loaded it), later requests
+    for a are routed to it, so a concurrent burst (which the two groups would otherwise share
+    from the lane) never loads a into the other. When the holder's machine dies (worker and
+    scheduler, kill -9), requests for a still complete: those routed there before its
+    heartbeat expired are taken over from its stream, later ones take the lane; the other
+    group loads a."""
+    cluster = own_cluster("--lora-adapters", f"a={adapters['a']}", num_groups=2)
+    url = cluster.gateway_urls[0]
+    first = prompt_text(0, 5)
+    want = expected_text(tiny_llama, adapters["a"], first)[1]
+    assert complete(url, "a", first).choices[0].text == want
+    holder = wait_for_holder(cluster, "a")
+    other = next(g for g in cluster.groups if g != holder)
+    time.sleep(1.2)  # the gateway's view of the holders is at most a second old
+
+    def burst(count: int, offset: int) -> None:
+        prompts = [prompt_text(offset + i, 4 + i % 3) for i in range(count)]
+        with concurrent.futures.ThreadPoolExecutor(count) as pool:
+            answers = list(pool.map(lambda p: complete(url, "a", p), prompts))
+        for prompt, answer in zip(prompts, answers, strict=True):
+            want = expected_text(tiny_llama, adapters["a"], prompt)[1]
+            assert answer.choices[0].text == want, prompt
+
+    burst(8, 1)
+    loads = {
+        g: metric(cluster.ops_urls[f"worker-{g}"], "textgen_worker_lora_loads", 'adapter="a"')
+        for g in cluster.groups
+    }
+    assert loads == {holder: 1.0, other: 0.0}
+    assert metric(url, "textgen_routed_adapter_requests", "") >= 8
+    for service in ("scheduler", "worker"):
+        cluster.processes[f"{service}-{holder}"].send_signal(signal.SIGKILL)
+    burst(4, 20)  # routed to the dead group at first, then to the lane
+    taken_over = metric(
+        cluster.ops_urls[f"scheduler-{other}"], "textgen_scheduler_orphaned_routed_requests", ""
+    )
+    assert taken_over >= 1
+    deadline = time.time() + 10  # the dead holder's heartbeat expires, the other's lists a
+    while holders(cluster, "a") != [other] and time.time() < deadline:
+        time.sleep(0.2)
+    assert holders(cluster, "a") == [other]

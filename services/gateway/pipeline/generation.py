@@ -31,6 +31,7 @@ from services.gateway.pipeline.errors import (
 )
 from services.gateway.pipeline.replies import ReplyRouter
 from services.gateway.pipeline.results import Finished, KeepAlive, Prepared, Token
+from services.gateway.pipeline.routing import AdapterRoutes
 from services.gateway.pipeline.tokenizer import TextTokenizer
 from shared.bus import FIELD
 from shared.channels import Channels
@@ -104,6 +105,7 @@ class Generator:
         self.max_queue_length = max_queue_length
         self.max_queue_wait = max_queue_wait  # seconds to the first event; None: the deadline
         self._enqueue = client.register_script(ENQUEUE)
+        self.routes = AdapterRoutes(client, channels)  # LoRA requests to the adapter's holder
         self._background: set[asyncio.Task] = set()
         self.num_queued = 0  # requests sent and waiting for their first event
         self.num_running = 0  # requests with at least one event
@@ -179,7 +181,14 @@ class Generator:
     async def _send(self, message: GenerateRequest) -> None:
         if not self.router.is_subscribed:
             raise unavailable("not connected to Redis (reply channel not subscribed)")
-        keys = [*self.channels.lanes, self.channels.lane(message.priority)]
+        target = self.channels.lane(message.priority)
+        if message.adapter is not None:
+            holder = await self.routes.group_for(message.adapter.id)
+            if holder is not None:
+                target = self.channels.directed(holder)
+                self.metrics.num_routed_adapter_requests += 1
+                log.debug("request %s to group %s (holds its adapter)", message.request_id, holder)
+        keys = [*self.channels.lanes, target]
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
                 entry_id = await self._enqueue(
