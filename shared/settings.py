@@ -95,6 +95,12 @@ class Settings(BaseSettings):
     max_queue_wait: float | None = Field(
         None, description="seconds a request may wait for a worker before a 503 (default: none)"
     )
+    redis_resume_timeout: float = Field(
+        30.0,
+        description="seconds a request in flight waits for Redis to come back when its token "
+        "events are lost (restart, failover), then continues where it stopped; 0: it fails at "
+        "once",
+    )
 
     # --- gateway ----------------------------------------------------------------------------
     # env TEXTGEN_HOSTNAME, not HOSTNAME: Docker and Kubernetes set HOSTNAME to the container name
@@ -227,6 +233,8 @@ class Settings(BaseSettings):
             raise ValueError("max_lora_rank must be > 0")
         if self.cuda_graphs is not None:
             parse_cuda_graphs(self.cuda_graphs)  # raises ValueError with the reason
+        if self.redis_resume_timeout < 0:
+            raise ValueError("redis_resume_timeout must be >= 0")
         if self.grammar_compile_timeout <= 0:
             raise ValueError("grammar_compile_timeout must be positive")
         if (

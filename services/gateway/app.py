@@ -89,7 +89,11 @@ def create_app(settings: Settings) -> FastAPI:
         # every request in flight may hold a connection at once (its XADD, then its abort)
         pool = state.client.connection_pool
         pool.max_connections = max(pool.max_connections, 2 * settings.max_concurrent_requests + 16)
-        state.router = ReplyRouter(state.client, state.channels.reply(state.gateway_id))
+        state.router = ReplyRouter(
+            state.client,
+            state.channels.reply(state.gateway_id),
+            resume=settings.redis_resume_timeout > 0,
+        )
         state.generator = Generator(
             state.client,
             state.router,
@@ -99,6 +103,7 @@ def create_app(settings: Settings) -> FastAPI:
             settings.request_timeout,
             settings.max_queue_length,
             settings.max_queue_wait,
+            settings.redis_resume_timeout,
         )
         await state.router.start()
         registering = None

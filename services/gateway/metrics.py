@@ -34,6 +34,7 @@ class GatewayMetrics:
         self.num_adapter_requests: Counter[str] = Counter()  # requests admitted per LoRA adapter
         self.num_unknown_adapters = 0  # requests naming an adapter nobody registered
         self.num_routed_adapter_requests = 0  # sent to the group holding their adapter
+        self.num_resumed_requests = 0  # re-submitted after Redis lost their token events
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(name, doc, buckets=buckets, registry=self.registry)
@@ -153,5 +154,9 @@ class GatewayMetrics:
             "their LoRA adapter (the others take the priority lanes)",
             "# TYPE textgen_routed_adapter_requests counter",
             f"textgen_routed_adapter_requests {self.num_routed_adapter_requests}",
+            "# HELP textgen_resumed_requests requests re-submitted with the tokens they had "
+            "delivered, after Redis lost their token events (restart, failover, gap)",
+            "# TYPE textgen_resumed_requests counter",
+            f"textgen_resumed_requests {self.num_resumed_requests}",
         ]
         return ("\n".join(lines) + "\n").encode() + generate_latest(self.registry)

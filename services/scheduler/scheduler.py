@@ -61,15 +61,17 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
-    def add(self, message: GenerateRequest, entry_id: bytes, stream: str = "") -> None:
-        """A request pulled from the stream."""
+    def add(self, message: GenerateRequest, entry_id: bytes, stream: str = "") -> bool:
+        """A request pulled from the stream; False when one of that id is held already (a
+        redelivery, or a copy a gateway re-submitted): the caller acknowledges the entry."""
         if message.request_id in self.requests:
-            return  # redelivered while still held
+            return False
         request = SchedRequest.from_message(message, entry_id, self._num_arrivals, stream)
         request.pulled_at = self.clock()
         self._num_arrivals += 1
         self.requests[request.request_id] = request
         self._enqueue(request)
+        return True
 
     def abort(self, request_id: str) -> bool:
         """Drop a request the gateway no longer wants; False if unknown here."""

@@ -263,13 +263,22 @@ class SchedulerService:
             self.metrics.plan_wait.observe(time.perf_counter() - started)
             if taken:
                 self.metrics.late_plan_arrivals.inc(len(taken))
-        self._add(taken)
+        await self._add(taken)
 
-    def _add(self, taken: list[Taken]) -> None:
+    async def _add(self, taken: list[Taken]) -> None:
+        """Hand `taken` to the scheduler; the entries of requests it holds already (a copy a
+        gateway re-submitted after losing Redis) are acknowledged away."""
         scheduler = self.scheduler
         assert scheduler is not None
+        held = []
         for message, entry_id, lane in taken:
-            scheduler.add(message, entry_id, lane)
+            if scheduler.add(message, entry_id, lane):
+                continue
+            if scheduler.requests[message.request_id].entry_id != entry_id:  # not a redelivery
+                held.append((lane, entry_id))
+        if held:
+            log.info("dropped %d copies of requests held already", len(held))
+            await self.intake.ack(held)
 
     async def _claim(self) -> None:
         """Take over requests of schedulers that went silent (at most every CLAIM_INTERVAL_S)."""
@@ -280,7 +289,7 @@ class SchedulerService:
         if now - self._claimed_at < CLAIM_INTERVAL_S or room <= 0 or self.draining:
             return
         self._claimed_at = now
-        self._add(await self.intake.claim(room))
+        await self._add(await self.intake.claim(room))
 
     async def _keep_fresh(self) -> None:
         """Background: keep the held entries' idle time low, so nobody claims them."""

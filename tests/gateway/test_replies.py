@@ -1,6 +1,6 @@
 import asyncio
 
-from services.gateway.pipeline.replies import ReplyRouter, without_duplicates
+from services.gateway.pipeline.replies import RESUME, ReplyRouter, without_duplicates
 from shared.messages import FinishReason, ReplyBatch, TokenEvent
 
 
@@ -99,9 +99,9 @@ class _Client:
         return _LostPubSub(self.calls)
 
 
-async def test_lost_subscription_fails_requests_in_flight():
+async def test_lost_subscription_fails_requests_in_flight_with_resuming_off():
     client = _Client()
-    router = ReplyRouter(client=client, channel="c")
+    router = ReplyRouter(client=client, channel="c", resume=False)
     queues = [router.register(f"r{i}") for i in range(3)]
     await router.start()
     try:
@@ -114,3 +114,43 @@ async def test_lost_subscription_fails_requests_in_flight():
         assert not router.is_subscribed and not router._task.done()
     finally:
         await router.stop()
+
+
+async def test_lost_subscription_tells_requests_in_flight_to_resume_once():
+    client = _Client()
+    router = ReplyRouter(client=client, channel="c")
+    queues = [router.register(f"r{i}") for i in range(3)]
+    await router.start()
+    try:
+        for i, queue in enumerate(queues):
+            told = await asyncio.wait_for(queue.get(), 1.0)
+            assert told.request_id == f"r{i}" and told.error_type == RESUME
+        await asyncio.sleep(0.4)  # lost again on every retry: still one RESUME until resumed
+        assert all(queue.empty() for queue in queues)
+        router.resumed("r0")
+        router.lose_all()
+        assert queues[0].get_nowait().error_type == RESUME
+        assert queues[1].empty() and router.num_resumes == 4
+    finally:
+        await router.stop()
+
+
+def test_only_contiguous_indexes_are_delivered():
+    """Tokens 1-2, then 4-5 (3 was published while nobody listened): 4-5 are dropped and the
+    request is told to resume; its resumed copy's 3-5 then go through, and 4-5 of the old copy
+    once more are duplicates."""
+    router = ReplyRouter(client=None, channel="c")
+    queue = router.register("r")
+    router.dispatch(ReplyBatch(events=[event(1, [5, 6])]))
+    router.dispatch(ReplyBatch(events=[event(4, [8, 9])]))
+    router.dispatch(ReplyBatch(events=[event(6, [10])]))  # still past the gap: one RESUME
+    received = [queue.get_nowait() for _ in range(queue.qsize())]
+    assert [(e.index, e.token_ids, e.error_type) for e in received] == [
+        (1, [5, 6], ""),
+        (0, [], RESUME),
+    ]
+    router.resumed("r")
+    router.dispatch(ReplyBatch(events=[event(3, [7, 8, 9])]))
+    router.dispatch(ReplyBatch(events=[event(4, [8, 9])]))
+    received = [queue.get_nowait() for _ in range(queue.qsize())]
+    assert [(e.index, e.token_ids) for e in received] == [(3, [7, 8, 9])]

@@ -29,8 +29,9 @@ from services.gateway.pipeline.errors import (
     overloaded,
     unavailable,
 )
-from services.gateway.pipeline.replies import ReplyRouter
+from services.gateway.pipeline.replies import RESUME, ReplyRouter
 from services.gateway.pipeline.results import Finished, KeepAlive, Prepared, Token
+from services.gateway.pipeline.resume import Resumer
 from services.gateway.pipeline.routing import AdapterRoutes
 from services.gateway.pipeline.tokenizer import TextTokenizer
 from shared.bus import FIELD
@@ -95,6 +96,7 @@ class Generator:
         request_timeout: float,
         max_queue_length: int,
         max_queue_wait: float | None = None,
+        resume_timeout: float = 30.0,
     ):
         self.client = client
         self.router = router
@@ -106,6 +108,7 @@ class Generator:
         self.max_queue_wait = max_queue_wait  # seconds to the first event; None: the deadline
         self._enqueue = client.register_script(ENQUEUE)
         self.routes = AdapterRoutes(client, channels)  # LoRA requests to the adapter's holder
+        self.resumer = Resumer(self._send, router, metrics, resume_timeout)
         self._background: set[asyncio.Task] = set()
         self.num_queued = 0  # requests sent and waiting for their first event
         self.num_running = 0  # requests with at least one event
@@ -146,7 +149,11 @@ class Generator:
             raise
         finally:
             self.router.unregister(request_id)
-            if outcome in ("dropped", "deadline", "stop_sequence"):
+            if request_id in self.resumer.resumed_ids:  # a surviving copy may still run
+                self.resumer.resumed_ids.discard(request_id)
+                if outcome == "finished":
+                    outcome = "resumed"
+            if outcome in ("dropped", "deadline", "stop_sequence", "resumed"):
                 self._abort(request_id, outcome)
             if outcome == "dropped":
                 self.metrics.request_failed("dropped")
@@ -237,6 +244,7 @@ class Generator:
         keepalive_s: float | None,
     ) -> AsyncIterator[Token | Finished | KeepAlive]:
         decoder = TextDecoder(self.tokenizer, prepared)
+        delivered: list[int] = []  # token ids handed on so far (a resumed copy continues them)
         scheduled_at: float | None = None
         prefill: list[Token] = []
         self._count(queued=1)
@@ -251,6 +259,10 @@ class Generator:
                 if event is None:
                     yield KeepAlive()
                     continue
+                if event.error_type == RESUME:  # Redis lost its events: add it again
+                    async for keepalive in self.resumer.resume(message, delivered, keepalive_s):
+                        yield keepalive
+                    continue
                 if scheduled_at is None:
                     scheduled_at = min(event.scheduled_at or time.time(), time.time())
                     self._count(queued=-1, running=1)
@@ -258,6 +270,7 @@ class Generator:
                     raise generation_failed(event.error, event.error_type)
                 if event.prefill_logprobs and not prefill:
                     prefill = self._prefill(prepared.input_ids, event.prefill_logprobs)
+                delivered.extend(event.token_ids)
                 for position in range(len(event.token_ids)):
                     token = decoder.token(event, position)
                     is_last = position == len(event.token_ids) - 1

@@ -5,11 +5,17 @@ workers PUBLISH one ReplyBatch per step with every token event for this gateway.
 puts each TokenEvent on the asyncio.Queue registered for its request_id. Events of unknown
 requests (finished, aborted, another gateway's) are dropped, and so are token indexes already
 delivered: a request replayed on another worker group re-sends its first tokens, and the
-client must still see one unbroken stream.
+client must still see one unbroken stream. Only contiguous indexes are delivered: an event
+that starts past the next index (its predecessor was published while this gateway was not
+listening) is dropped, and the request is told to resume.
 
-When the subscription is lost (Redis went away), every registered request gets an error event
-at once: its stream ends with an error instead of waiting for its deadline, since no token
-published meanwhile can reach this gateway. A malformed ReplyBatch is logged and skipped.
+When the subscription is lost (Redis went away or failed over), every registered request is
+told to resume (a RESUME event; services/gateway/pipeline/generation.py re-submits it with the
+tokens it delivered once Redis answers again), since a token published meanwhile never reaches
+this gateway; with resuming off (`--redis-resume-timeout 0`) each gets an error event at once
+instead. A malformed ReplyBatch is logged and skipped.
+
+    delivered 1..7    event 8..9  -> delivered          event 11 -> dropped, RESUME (gap at 10)
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from shared.messages import SCHEMA_VERSION, ReplyBatch, TokenEvent
 
 log = logging.getLogger(__name__)
 LOST_CONNECTION = "lost the connection to Redis"
+RESUME = "resume"  # error_type of the event that tells a request to re-submit itself
 MAX_BACKOFF_S = 2.0
 
 
@@ -35,6 +42,7 @@ MAX_BACKOFF_S = 2.0
 class _Pending:
     queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
     num_delivered: int = 0  # highest token index handed to the queue
+    is_resuming: bool = False  # told to resume and not re-submitted yet (one RESUME at a time)
 
 
 def without_duplicates(event: TokenEvent, num_delivered: int) -> TokenEvent | None:
@@ -61,9 +69,11 @@ def without_duplicates(event: TokenEvent, num_delivered: int) -> TokenEvent | No
 class ReplyRouter:
     """Owns the gateway's single reply subscription and the per-request queues."""
 
-    def __init__(self, client: aioredis.Redis, channel: str):
+    def __init__(self, client: aioredis.Redis, channel: str, resume: bool = True):
         self.client = client
         self.channel = channel
+        self.resume = resume  # on a lost subscription, resume the requests (else fail them)
+        self.num_resumes = 0  # RESUME events sent (lost subscriptions and gaps)
         self.is_subscribed = False
         self._pending: dict[str, _Pending] = {}
         self._task: asyncio.Task | None = None
@@ -82,6 +92,12 @@ class ReplyRouter:
     def unregister(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
 
+    def resumed(self, request_id: str) -> None:
+        """The request was re-submitted: a later loss or gap may resume it again."""
+        pending = self._pending.get(request_id)
+        if pending is not None:
+            pending.is_resuming = False
+
     def dispatch(self, batch: ReplyBatch) -> None:
         for event in batch.events:
             pending = self._pending.get(event.request_id)
@@ -90,9 +106,38 @@ class ReplyRouter:
             fresh = without_duplicates(event, pending.num_delivered)
             if fresh is None:
                 continue
+            if fresh.token_ids and fresh.index > pending.num_delivered + 1:
+                log.info(
+                    "request %s: tokens from index %d, %d expected: resuming",
+                    event.request_id,
+                    fresh.index,
+                    pending.num_delivered + 1,
+                )
+                self._tell_resume(event.request_id, pending)
+                continue
             if fresh.token_ids:
                 pending.num_delivered = fresh.index + len(fresh.token_ids) - 1
             pending.queue.put_nowait(fresh)
+
+    def _tell_resume(self, request_id: str, pending: _Pending) -> None:
+        if pending.is_resuming:
+            return
+        pending.is_resuming = True
+        self.num_resumes += 1
+        pending.queue.put_nowait(
+            TokenEvent(request_id=request_id, error=LOST_CONNECTION, error_type=RESUME)
+        )
+
+    def lose_all(self) -> None:
+        """The subscription was lost: every registered request resumes (or fails, with
+        resuming off)."""
+        if not self.resume:
+            self.fail_all(LOST_CONNECTION)
+            return
+        for request_id, pending in self._pending.items():
+            self._tell_resume(request_id, pending)
+        if self._pending:
+            log.warning("%d requests in flight resume: %s", len(self._pending), LOST_CONNECTION)
 
     def fail_all(self, message: str) -> None:
         """End every registered request with an error event (the subscription was lost)."""
@@ -140,8 +185,8 @@ class ReplyRouter:
         return self.is_subscribed
 
     async def _run(self) -> None:
-        """Subscribe and listen forever; on a Redis failure, fail the requests in flight and
-        resubscribe with backoff (0.1 s doubling up to MAX_BACKOFF_S)."""
+        """Subscribe and listen forever; on a Redis failure, tell the requests in flight to
+        resume and resubscribe with backoff (0.1 s doubling up to MAX_BACKOFF_S)."""
         delay = 0.1
         while not self._is_stopping:
             pubsub = self.client.pubsub()
@@ -156,7 +201,7 @@ class ReplyRouter:
                         self.on_message(message["data"])
             except Exception as exc:  # Redis errors, and anything else: the router never dies
                 self.is_subscribed = False
-                self.fail_all(LOST_CONNECTION)
+                self.lose_all()
                 if isinstance(exc, RedisError | OSError | TimeoutError):
                     log.warning("reply subscription lost (%s); retrying in %.1fs", exc, delay)
                 else:
