@@ -131,6 +131,9 @@ class GenerateRequest(Message):
     deadline: float  # unix s after which nobody waits for the result: drop it
     priority: int = 0  # higher is scheduled first; ties keep arrival order
     generated_ids: list[int] = []  # tokens already delivered (resumption after a failure)
+    # the gateway's re-submissions after Redis lost the request's events; a scheduler holding
+    # a lower attempt replaces it (services/gateway/pipeline/resume.py)
+    attempt: int = 0
     traceparent: str = ""  # W3C trace context of the gateway's span
     adapter: AdapterRef | None = None  # the LoRA adapter to apply; None: the base model
 

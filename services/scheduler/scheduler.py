@@ -54,6 +54,8 @@ class Scheduler:
         self._step_requests: dict[int, list[tuple[str, bool, int]]] = {}
         # plans awaiting their result: the blocks each registered in the prefix cache
         self._step_blocks: dict[int, list[int]] = {}
+        # later attempts of ended requests, added once no step in flight names their id
+        self._replacements: dict[str, tuple[GenerateRequest, bytes, str]] = {}
 
     # --- inputs --------------------------------------------------------------------------
 
@@ -62,16 +64,36 @@ class Scheduler:
         return len(self.requests)
 
     def add(self, message: GenerateRequest, entry_id: bytes, stream: str = "") -> bool:
-        """A request pulled from the stream; False when one of that id is held already (a
-        redelivery, or a copy a gateway re-submitted): the caller acknowledges the entry."""
-        if message.request_id in self.requests:
+        """A request pulled from the stream; False when one of that id and no lower attempt is
+        held already (a redelivery, or a stale copy): the caller acknowledges the entry. A
+        later attempt (the gateway re-submitted it, having lost some of its tokens) replaces
+        the held one, once no step in flight names the id."""
+        held = self.requests.get(message.request_id)
+        stashed = self._replacements.get(message.request_id)
+        if held is not None and held.message.attempt >= message.attempt:
             return False
+        if stashed is not None and stashed[0].attempt >= message.attempt:
+            return False
+        if held is not None:
+            self._end(held, RequestStatus.ABORTED)
+        if held is not None or message.request_id in self._replacements:
+            self._replacements[message.request_id] = (message, entry_id, stream)
+            self._add_replacements()
+            return True
+        self._add_new(message, entry_id, stream)
+        return True
+
+    def _add_replacements(self) -> None:
+        in_flight = {rid for step in self._step_requests.values() for rid, _, _ in step}
+        for request_id in [r for r in self._replacements if r not in in_flight]:
+            self._add_new(*self._replacements.pop(request_id))
+
+    def _add_new(self, message: GenerateRequest, entry_id: bytes, stream: str) -> None:
         request = SchedRequest.from_message(message, entry_id, self._num_arrivals, stream)
         request.pulled_at = self.clock()
         self._num_arrivals += 1
         self.requests[request.request_id] = request
         self._enqueue(request)
-        return True
 
     def abort(self, request_id: str) -> bool:
         """Drop a request the gateway no longer wants; False if unknown here."""
@@ -90,6 +112,11 @@ class Scheduler:
 
     def update(self, result: StepResult) -> None:
         """Apply the worker's answer to a plan."""
+        self._apply(result)
+        if self._replacements:
+            self._add_replacements()
+
+    def _apply(self, result: StepResult) -> None:
         scheduled = self._step_requests.pop(result.step_id, [])
         registered = self._step_blocks.pop(result.step_id, [])
         for request_id, samples, _ in scheduled:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import RequestStatus
-from shared.messages import StepResult
+from shared.messages import RequestOutput, StepResult
 from tests.scheduler.factories import answer, request, scheduled, scheduler
 
 
@@ -134,3 +134,31 @@ def test_worker_error_fails_every_request_of_the_step():
     s.update(StepResult(step_id=plan.step_id, error="boom"))
     assert {e.status for e in s.take_ended()} == {RequestStatus.FAILED}
     assert s.num_unfinished == 0 and s.blocks.num_free_blocks == s.blocks.num_blocks
+
+
+def test_a_later_attempt_replaces_the_held_request_once_its_step_is_back():
+    """The gateway re-submitted a request (attempt 1, with the tokens it delivered) while this
+    scheduler runs attempt 0: attempt 0 ends (its blocks freed, the worker told), attempt 1
+    waits until the step in flight that names the id is answered, then runs from its tokens.
+    Copies of the same or an earlier attempt are refused (the caller acknowledges them)."""
+    import msgspec
+
+    s = scheduler(num_blocks=8, block_size=4)
+    first = request(6, max_new_tokens=10)
+    assert s.add(first, b"1-0")
+    answer(s, s.schedule())  # the prompt, and a first token
+    in_flight = s.schedule()  # a decode step the worker has not answered yet
+    resumed = msgspec.structs.replace(first, generated_ids=[7, 8], attempt=1)
+    assert s.add(resumed, b"2-0")
+    assert first.request_id not in s.requests  # attempt 0 ended, attempt 1 waits for the step
+    (ended,) = s.take_ended()
+    assert ended.status == RequestStatus.ABORTED and ended.entry_id == b"1-0"
+    assert not s.add(resumed, b"3-0") and not s.add(first, b"4-0")  # stale or equal copies
+    stale = RequestOutput(request_id=first.request_id, token_ids=[99])
+    s.update(StepResult(step_id=in_flight.step_id, outputs=[stale]))  # attempt 0's token
+    held = s.requests[first.request_id]
+    assert held.entry_id == b"2-0" and held.token_ids[held.num_prompt_tokens :] == [7, 8]
+    plan = s.schedule()
+    assert plan.released_ids == [first.request_id]  # the worker drops attempt 0 first
+    assert [r.request_id for r in plan.new_requests] == [first.request_id]
+    assert not s.add(first, b"5-0")

@@ -149,8 +149,7 @@ class Generator:
             raise
         finally:
             self.router.unregister(request_id)
-            if request_id in self.resumer.resumed_ids:  # a surviving copy may still run
-                self.resumer.resumed_ids.discard(request_id)
+            if self.resumer.attempts.pop(request_id, None) is not None:  # a copy may run on
                 if outcome == "finished":
                     outcome = "resumed"
             if outcome in ("dropped", "deadline", "stop_sequence", "resumed"):

@@ -7,9 +7,10 @@ request a RESUME event (services/gateway/pipeline/replies.py). The request then 
 subscription to come back and adds itself to its lane again, under the same request_id, with
 the tokens it delivered as `generated_ids`, as a worker group's failover does: the group that
 takes it continues at the next index, and since a draw depends only on (seed, token index),
-the continuation equals the undisturbed output. A copy that survived in Redis may run too; the
-router delivers each index once. It gives up (a generation error) after
---redis-resume-timeout or at the request's deadline.
+the continuation equals the undisturbed output. Each re-submission carries the next `attempt`:
+a scheduler that holds an earlier one replaces it, and a copy that survived elsewhere may run
+on (the router delivers each index once) until the request's end aborts it. It gives up (a
+generation error) after --redis-resume-timeout or at the request's deadline.
 
     delivered 1..7 | RESUME | (Redis back) XADD generated_ids=[t1..t7] | tokens 8, 9, ...
 """
@@ -45,9 +46,9 @@ class Resumer:
         self.router = router
         self.metrics = metrics
         self.timeout_s = timeout_s  # --redis-resume-timeout
-        # requests re-submitted and still streaming: a copy that survived may still run, so
-        # the request's end aborts it (Generator.stream)
-        self.resumed_ids: set[str] = set()
+        # requests re-submitted and still streaming -> their last attempt: a copy that
+        # survived may still run, so the request's end aborts it (Generator.stream)
+        self.attempts: dict[str, int] = {}
 
     async def resume(
         self, message: GenerateRequest, delivered: list[int], keepalive_s: float | None
@@ -56,7 +57,8 @@ class Resumer:
         every `keepalive_s` meanwhile. Raises a generation error when it cannot in time."""
         started = time.monotonic()
         give_up_at = min(message.deadline, time.time() + self.timeout_s)
-        resumed = msgspec.structs.replace(message, generated_ids=list(delivered))
+        attempt = self.attempts.get(message.request_id, message.attempt) + 1
+        resumed = msgspec.structs.replace(message, generated_ids=list(delivered), attempt=attempt)
         delay, beat_at, last_error = 0.05, started, LOST_CONNECTION
         while True:
             if self.router.is_subscribed:
@@ -66,7 +68,7 @@ class Resumer:
                     last_error = exc.message
                 else:
                     self.router.resumed(message.request_id)
-                    self.resumed_ids.add(message.request_id)
+                    self.attempts[message.request_id] = attempt
                     self.metrics.num_resumed_requests += 1
                     log.info(
                         "request %s resumed after %d tokens (%.2f s without Redis)",
