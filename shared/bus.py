@@ -9,15 +9,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import msgspec
+import redis
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 from redis.typing import EncodableT, FieldT
 
 from shared.codec import decode, encode
+
+if TYPE_CHECKING:
+    from shared.settings import Settings
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -52,11 +56,98 @@ def redact_url(url: str | None) -> str:
     return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
 
 
-def connect(url: str) -> aioredis.Redis:
-    """A Redis client (a connection pool) that returns raw bytes."""
-    return aioredis.from_url(
-        url, decode_responses=False, health_check_interval=30, socket_connect_timeout=5
+def sentinel_addresses(text: str) -> list[tuple[str, int]]:
+    """--redis-sentinels "host:port,host:port" as (host, port) pairs; ValueError when bad."""
+    addresses = []
+    for part in (p.strip() for p in text.split(",")):
+        host, _, port = part.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"redis_sentinels must be host:port,... not {text!r}")
+        addresses.append((host, int(port)))
+    if not addresses:
+        raise ValueError("redis_sentinels names no sentinel")
+    return addresses
+
+
+def _master_auth(url: str | None) -> dict[str, Any]:
+    """Username, password and db of `url` (host and port come from the sentinels)."""
+    if not url:
+        return {}
+    parts = urlsplit(url)
+    auth: dict[str, Any] = {"username": parts.username, "password": parts.password}
+    if parts.path.strip("/").isdigit():
+        auth["db"] = int(parts.path.strip("/"))
+    return {k: v for k, v in auth.items() if v is not None}
+
+
+# a master's failover takes seconds: redis-py's own retries would reconnect to the old address
+# (redis/redis-py#3874), so they stay few and short, and the services retry instead
+SENTINEL_RETRIES = 3
+
+
+def connect(
+    url: str | None, sentinels: str | None = None, master: str = "mymaster"
+) -> aioredis.Redis:
+    """A Redis client (a connection pool) that returns raw bytes: to `url`, or with
+    `sentinels` to the master they name (`url` then gives only credentials and db)."""
+    options: dict[str, Any] = {
+        "decode_responses": False,
+        "health_check_interval": 30,
+        "socket_connect_timeout": 5,
+    }
+    if not sentinels:
+        assert url, "a Redis URL or sentinels"
+        return aioredis.from_url(url, **options)
+    from redis.asyncio.retry import Retry
+    from redis.asyncio.sentinel import Sentinel
+    from redis.backoff import ExponentialBackoff
+
+    sentinel = Sentinel(sentinel_addresses(sentinels), socket_connect_timeout=5)  # type: ignore[no-untyped-call]
+    retry = Retry(ExponentialBackoff(cap=0.2, base=0.01), SENTINEL_RETRIES)
+    client: aioredis.Redis = sentinel.master_for(
+        master, redis_class=aioredis.Redis, retry=retry, **options, **_master_auth(url)
     )
+    return client
+
+
+def client_for(settings: Settings) -> aioredis.Redis:
+    """The services' Redis client: --redis-url, or the master --redis-sentinels follow."""
+    return connect(settings.redis_url, settings.redis_sentinels, settings.redis_sentinel_master)
+
+
+def _following_connection() -> type:
+    """redis-py's sentinel connection for the synchronous client, made to ask the sentinels
+    where it connects: redis-py 8.1's send_packed_command connects through
+    connect_check_health, past SentinelManagedConnection.connect, and so reaches the default
+    localhost:6379 instead of the master."""
+    from redis.sentinel import SentinelManagedConnection
+
+    class FollowingConnection(SentinelManagedConnection):
+        def connect_check_health(
+            self, check_health: bool = True, retry_socket_connect: bool = True
+        ) -> None:
+            if not self._sock and self.connection_pool.is_master:
+                self.host, self.port = self.connection_pool.get_master_address()
+            super().connect_check_health(check_health, retry_socket_connect)
+
+    return FollowingConnection
+
+
+def sync_pool(
+    url: str | None, sentinels: str | None = None, master: str = "mymaster", **options: Any
+) -> redis.ConnectionPool:
+    """connect()'s choice for the synchronous client (the worker's torch thread, the CLI)."""
+    if not sentinels:
+        assert url, "a Redis URL or sentinels"
+        return redis.ConnectionPool.from_url(url, **options)
+    from redis.sentinel import Sentinel
+
+    sentinel = Sentinel(sentinel_addresses(sentinels), socket_connect_timeout=5)  # type: ignore[no-untyped-call]
+    master_client = sentinel.master_for(  # type: ignore[no-untyped-call]
+        master, connection_class=_following_connection(), **options, **_master_auth(url)
+    )
+    pool: redis.ConnectionPool = master_client.connection_pool
+    return pool
 
 
 async def wait_for_redis(client: aioredis.Redis, timeout: float = 30.0) -> None:

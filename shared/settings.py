@@ -62,7 +62,19 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="", extra="ignore", populate_by_name=True)
 
     # --- shared -----------------------------------------------------------------------------
-    redis_url: str | None = Field(None, description="Redis URL; `launch` starts one when unset")
+    redis_url: str | None = Field(
+        None,
+        description="Redis URL; `launch` starts one when unset (with --redis-sentinels, only "
+        "its user, password and db are used)",
+    )
+    redis_sentinels: str | None = Field(
+        None,
+        description="Redis Sentinel addresses, host:port,...: every service follows the master "
+        "they name (--redis-sentinel-master) through failovers",
+    )
+    redis_sentinel_master: str = Field(
+        "mymaster", description="the master's name in Sentinel (`sentinel monitor NAME ...`)"
+    )
     namespace: str = Field("textgen", description="prefix of every Redis key and channel")
     model_id: str = Field(
         "HuggingFaceTB/SmolLM2-135M-Instruct", description="hub id or local model folder"
@@ -215,6 +227,11 @@ class Settings(BaseSettings):
                 env_vars["hostname"] = env_vars["textgen_hostname"]
         return init_settings, env_settings, dotenv_settings, file_secret_settings
 
+    @property
+    def has_redis(self) -> bool:
+        """A Redis to connect to is configured (--redis-url or --redis-sentinels)."""
+        return bool(self.redis_url or self.redis_sentinels)
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         if self.max_batch_size <= 0:
@@ -233,6 +250,10 @@ class Settings(BaseSettings):
             raise ValueError("max_lora_rank must be > 0")
         if self.cuda_graphs is not None:
             parse_cuda_graphs(self.cuda_graphs)  # raises ValueError with the reason
+        if self.redis_sentinels is not None:
+            from shared.bus import sentinel_addresses
+
+            sentinel_addresses(self.redis_sentinels)  # raises ValueError with the reason
         if self.redis_resume_timeout < 0:
             raise ValueError("redis_resume_timeout must be >= 0")
         if self.grammar_compile_timeout <= 0:

@@ -33,7 +33,7 @@ from services.gateway.tgi import info as info_routes
 from services.gateway.tgi import routes as tgi_routes
 from services.gateway.tgi.validation import Limits
 from shared.adapters import startup_refs
-from shared.bus import connect, redact_url
+from shared.bus import client_for, redact_url
 from shared.channels import Channels
 from shared.model_files import TOKENIZER_FILES, context_length, resolve_model_dir
 from shared.settings import Settings
@@ -80,9 +80,9 @@ def create_app(settings: Settings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        if not settings.redis_url:
-            raise RuntimeError("the gateway needs --redis-url")
-        state.client = connect(settings.redis_url)
+        if not settings.has_redis:
+            raise RuntimeError("the gateway needs --redis-url or --redis-sentinels")
+        state.client = client_for(settings)
         # fail fast while Redis is down (503 at once, not after redis-py's backoff); one retry
         # still replaces a pooled connection that died with a restarted Redis
         state.client.set_retry(Retry(NoBackoff(), 1))
@@ -112,7 +112,7 @@ def create_app(settings: Settings) -> FastAPI:
         if not await state.router.wait_subscribed(timeout=2.0):
             log.warning(
                 "Redis at %s unreachable; answering 503 until it is back",
-                redact_url(settings.redis_url),
+                redact_url(settings.redis_url or settings.redis_sentinels or ""),
             )
         log.info(
             "gateway %s ready: model %s, limits %s",

@@ -94,8 +94,11 @@ class Launcher:
         startup_refs(self.settings)
         log.info("model %s: %s", self.settings.model_id, folder)
         try:
-            url = self.redis_url = self.settings.redis_url or self.redis.start(
-                child_setup(self.placement[1] if self.placement else None)
+            sentinels = self.settings.redis_sentinels
+            url = self.redis_url = self.settings.redis_url or (
+                ""
+                if sentinels
+                else self.redis.start(child_setup(self.placement[1] if self.placement else None))
             )
             for group in range(self.settings.num_groups):
                 for service in GROUP_SERVICES:
@@ -104,7 +107,8 @@ class Launcher:
             self._wait_ready()
             print(
                 f"textgen is ready: http://127.0.0.1:{self.settings.port} "
-                f"(model {self.settings.model_id}, redis {redact_url(url)})",
+                f"(model {self.settings.model_id}, redis "
+                f"{f'sentinels {sentinels}' if sentinels else redact_url(url)})",
                 flush=True,
             )
             return self._watch()

@@ -22,7 +22,7 @@ from typing import Any
 import redis
 
 from services.launcher.queue_view import GroupView, QueueSnapshot, QueueView, RequestState
-from shared.bus import as_text, redact_url
+from shared.bus import as_text, redact_url, sync_pool
 from shared.settings import Settings, describe_invalid
 
 CONFIRM_TIMEOUT_S = 5.0  # drain/undrain wait this long for the scheduler to report the change
@@ -62,10 +62,16 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"textgen queue: invalid settings: {describe_invalid(exc)}", file=sys.stderr)
         return 2
-    if not settings.redis_url:
+    if not settings.has_redis:
         print("textgen queue: no Redis: pass --redis-url or set REDIS_URL", file=sys.stderr)
         return 2
-    client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
+    pool = sync_pool(
+        settings.redis_url,
+        settings.redis_sentinels,
+        settings.redis_sentinel_master,
+        socket_connect_timeout=5,
+    )
+    client = redis.Redis(connection_pool=pool)
     view = QueueView(client, settings.namespace)
     as_json = getattr(args, "json", False)
     try:
@@ -79,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             show_snapshot(view.snapshot(), as_json)
     except redis.ConnectionError as exc:
         print(
-            f"textgen queue: Redis unreachable at {redact_url(settings.redis_url)}: {exc}",
+            f"textgen queue: Redis unreachable at {redact_url(settings.redis_url or '')}: {exc}",
             file=sys.stderr,
         )
         return 2

@@ -7,16 +7,16 @@ import signal
 
 from services.scheduler.service import SchedulerService
 from shared import aio
-from shared.bus import connect, wait_for_redis
+from shared.bus import client_for, wait_for_redis
 from shared.ops_server import OpsServer
 from shared.settings import Settings
 from shared.telemetry import setup_tracing
 
 
 async def serve(settings: Settings) -> None:
-    if not settings.redis_url:
-        raise SystemExit("textgen scheduler needs --redis-url")
-    redis = connect(settings.redis_url)
+    if not settings.has_redis:
+        raise SystemExit("textgen scheduler needs --redis-url or --redis-sentinels")
+    redis = client_for(settings)
     await wait_for_redis(redis)
     service = SchedulerService(settings, redis)
     if settings.metrics_port:

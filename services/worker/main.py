@@ -25,7 +25,7 @@ from services.worker.runtime import build_runner
 from services.worker.service import WorkerService
 from shared import aio
 from shared.adapters import AdapterError
-from shared.bus import connect, wait_for_redis
+from shared.bus import client_for, wait_for_redis
 from shared.openmp import cpu_list, move_to_io_cpus
 from shared.ops_server import OpsServer
 from shared.settings import Settings
@@ -35,8 +35,8 @@ log = logging.getLogger(__name__)
 
 
 async def serve(settings: Settings) -> None:
-    if not settings.redis_url:
-        raise SystemExit("textgen worker needs --redis-url")
+    if not settings.has_redis:
+        raise SystemExit("textgen worker needs --redis-url or --redis-sentinels")
     holder: list[WorkerService] = []  # the service, once the model is loaded
     ops = None
     if settings.metrics_port:
@@ -47,7 +47,7 @@ async def serve(settings: Settings) -> None:
             settings.metrics_port,
         )
         await ops.start()  # /live answers during a long model download
-    redis = connect(settings.redis_url)
+    redis = client_for(settings)
     await wait_for_redis(redis)
     # Every torch call of this process runs on this one thread: loading, the KV cache, the
     # collectives and every forward. libgomp gives each thread that enters a parallel region a

@@ -149,11 +149,12 @@ class WorkerService:
         A Redis outage pauses reading and sending (retried with backoff; the heartbeat
         re-announces the group once Redis is back), never ends the loop, and never runs a
         plan twice."""
-        assert self.settings.redis_url, "services/worker/main.py requires --redis-url"
         link = StepLink(
             self.settings.redis_url,
             self.channels.steps(self.group),
             on_error_reply=self.metrics.redis_error_replies.inc,
+            sentinels=self.settings.redis_sentinels,
+            sentinel_master=self.settings.redis_sentinel_master,
         )
         plans: deque[StepPlan] = deque()
         try:

@@ -20,10 +20,9 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import redis
 from redis.exceptions import ResponseError
 
-from shared.bus import REDIS_ERRORS, pairs_to_fields
+from shared.bus import REDIS_ERRORS, pairs_to_fields, sync_pool
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +54,20 @@ class StepLink:
     shared.bus) propagate; the next call reconnects."""
 
     def __init__(
-        self, url: str, steps: str, on_error_reply: Callable[[], object] | None = None
+        self,
+        url: str | None,
+        steps: str,
+        on_error_reply: Callable[[], object] | None = None,
+        sentinels: str | None = None,
+        sentinel_master: str = "mymaster",
     ) -> None:
-        pool = redis.ConnectionPool.from_url(
-            url, socket_connect_timeout=5, socket_timeout=SOCKET_TIMEOUT_S
+        """To `url`, or with `sentinels` to the master they name (each reconnect asks them)."""
+        pool = sync_pool(
+            url,
+            sentinels,
+            sentinel_master,
+            socket_connect_timeout=5,
+            socket_timeout=SOCKET_TIMEOUT_S,
         )
         self._reader = pool.make_connection()
         self._sender = pool.make_connection()

@@ -1,0 +1,96 @@
+"""The Redis primary dies under load and Sentinel promotes a replica (../shared/reference/
+redis-ha.md, T1): every service follows the master through --redis-sentinels, and 32 streams in
+flight complete token for token as without the fault, each index once, no 5xx, stalled no
+longer than the failover plus 2 s (the gateway re-submits what the switch lost:
+services/gateway/pipeline/resume.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import CLUSTER_ARGS
+from tests.support.cluster import Cluster
+from tests.support.redis_ha import RedisHA
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
+]
+NUM_STREAMS = 32
+PROMPTS = ["Once upon a time", "The cat sat", "A tiny robot", "In the morning"]
+NEW_TOKENS = 300
+
+
+@pytest.fixture
+def redis_ha():
+    ha = RedisHA().start()
+    try:
+        yield ha
+    finally:
+        ha.stop()
+
+
+@pytest.fixture
+def cluster(redis_ha, tiny_llama, namespace):
+    flags = [*CLUSTER_ARGS, "--max-batch-total-tokens", "20000"]
+    flags += ["--redis-sentinels", redis_ha.sentinels]
+    primary = f"redis://127.0.0.1:{redis_ha.data_ports[0]}"  # the test's own readiness checks
+    cluster = Cluster(primary, namespace, tiny_llama, args=flags)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+async def stream(
+    http: httpx.AsyncClient, prompt: str, started: asyncio.Event
+) -> tuple[int, list[dict], list[float]]:
+    """The status, every SSE event and each one's arrival (monotonic)."""
+    events: list[dict] = []
+    times: list[float] = []
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": NEW_TOKENS}}
+    async with http.stream("POST", "/generate_stream", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                events.append(json.loads(line[len("data:") :]))
+                times.append(time.monotonic())
+                if len(events) == 5:
+                    started.set()
+    started.set()
+    return response.status_code, events, times
+
+
+async def test_streams_survive_kill_9_of_the_redis_primary(cluster, redis_ha):
+    url = cluster.gateway_urls[0]
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120.0)) as http:
+        undisturbed = await asyncio.gather(*(stream(http, p, asyncio.Event()) for p in PROMPTS))
+        expected = {p: [e["token"]["id"] for e in r[1]] for p, r in zip(PROMPTS, undisturbed)}
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(NUM_STREAMS)]
+        started = [asyncio.Event() for _ in prompts]
+        streams = [
+            asyncio.create_task(stream(http, p, s)) for p, s in zip(prompts, started, strict=True)
+        ]
+        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
+        old = redis_ha.kill_primary()
+        failover_s = await asyncio.to_thread(redis_ha.wait_failover, old)
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*streams), 60)
+        except TimeoutError:
+            raise AssertionError(f"streams hung\n{cluster.log_tails(4000)}") from None
+        print(f"failover {failover_s:.1f} s")
+        for prompt, (status, events, times) in zip(prompts, results, strict=True):
+            assert status == 200
+            assert "error" not in events[-1], events[-1]
+            assert [e["index"] for e in events] == list(range(1, len(events) + 1))
+            assert [e["token"]["id"] for e in events] == expected[prompt]
+            pause = max(b - a for a, b in zip(times, times[1:]))
+            assert pause <= failover_s + 2.0, f"{pause:.1f} s stalled, failover {failover_s:.1f}"
+        cluster.check_alive()
