@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from shared.openmp import SPINCOUNT, USER_CHOICES
 from tests.support.redis_server import free_port
@@ -424,3 +425,37 @@ def test_launch_with_cuda_graphs(tiny_llama):
     assert out.returncode == 2, out
     assert "cuda_graphs must be batch sizes like 1,2,4,8 or 0, not '1,x'" in out.stderr
     assert "Traceback" not in out.stderr + out.stdout
+
+
+def test_launch_with_redis_sentinels(tiny_llama):
+    """--redis-sentinels and --redis-sentinel-master: `launch` starts no Redis of its own, and
+    every service follows the master the sentinels name (--redis-resume-timeout rides along);
+    a malformed sentinel list is one line and exit 2."""
+    from tests.support.redis_ha import RedisHA
+
+    ha = RedisHA().start()
+    port = free_port()
+    flags = ["--redis-sentinels", ha.sentinels, "--redis-sentinel-master", "mymaster"]
+    process = launch(tiny_llama, port, *flags, "--redis-resume-timeout", "5")
+    try:
+        ready = wait_for_line(process, "textgen is ready", timeout=120)
+        assert f"sentinels {ha.sentinels}" in ready
+        body = {"inputs": "the cat", "parameters": {"max_new_tokens": 3}}
+        answer = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=60)
+        assert answer.status_code == 200 and answer.json()["generated_text"]
+        primary = redis.Redis(port=ha.primary_port())
+        assert primary.smembers("textgen:groups")  # the services registered on the master
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        ha.stop()
+    out = subprocess.run(
+        [sys.executable, "-m", "services.launcher.cli", "launch", "--model-id", str(tiny_llama)]
+        + ["--redis-sentinels", "nowhere"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out
+    assert "redis_sentinels must be host:port,... not 'nowhere'" in out.stderr
