@@ -41,6 +41,13 @@ def stories_model() -> Path:
 def pytest_configure(config):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+
+    if not torch.cuda.is_available():
+        # Triton kernels run in Triton's interpreter without a GPU (tests/worker/
+        # test_triton_attention.py); Triton reads this when first imported, and bitsandbytes
+        # imports it early, so it is set before any test module loads
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,33 +1,28 @@
 """The Triton paged-attention kernel (services/worker/triton_attention.py) against PyTorch's
 SDPA path over the same paged cache: decodes, chunk rows, grouped heads, sliding windows.
 
-Without a GPU it runs in Triton's interpreter (CI); with one (marked gpu) compiled, in half
-precision too. The whole eager CUDA backend (its row tables, prompt chunks on SDPA) also runs
-here on the CPU through the interpreter, greedy-equal to transformers."""
+Without a GPU it runs in Triton's interpreter (CI; tests/conftest.py sets TRITON_INTERPRET
+before anything imports Triton); with one (marked gpu) compiled, in half precision too. The
+whole eager CUDA backend (its row tables, prompt chunks on SDPA) and the decode-graph path
+also run here on the CPU through the interpreter, greedy-equal to transformers."""
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():  # before Triton reads it: interpret the kernel on the CPU
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from services.worker import runtime  # noqa: E402
-from services.worker.cuda_graphs import TRITON, CudaPaged  # noqa: E402
-from services.worker.kv_cache import CacheShape, PagedKVCache  # noqa: E402
-from services.worker.loader import load_model  # noqa: E402
-from services.worker.paged_attention import (  # noqa: E402
+from services.worker import runtime
+from services.worker.cuda_graphs import TRITON, CudaPaged
+from services.worker.kv_cache import CacheShape, PagedKVCache
+from services.worker.loader import load_model
+from services.worker.paged_attention import (
     METADATA_KWARG,
     AttentionMetadata,
     RowTables,
     paged_attention_forward,
 )
-from tests.support.engine_loop import EngineLoop, make_request  # noqa: E402
-from tests.support.reference import greedy_continuation, reference_model  # noqa: E402
+from tests.support.engine_loop import EngineLoop, make_request
+from tests.support.reference import greedy_continuation, reference_model
 
 BLOCK = 16
 NUM_KV_HEADS, GROUP, HEAD_DIM = 2, 3, 24  # a head_dim that is no power of two
