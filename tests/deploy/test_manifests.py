@@ -288,6 +288,7 @@ COMPOSE_PROJECTS = [
     ("compose.yaml",),
     ("compose.yaml", "compose.gpu.yaml"),
     ("compose.yaml", "compose.group1.yaml"),
+    ("compose.yaml", "compose.redis-ha.yaml"),
 ]
 
 
