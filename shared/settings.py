@@ -107,6 +107,11 @@ class Settings(BaseSettings):
     max_queue_wait: float | None = Field(
         None, description="seconds a request may wait for a worker before a 503 (default: none)"
     )
+    redis_wait_replicas: int = Field(
+        0,
+        description="replicas that must have a request before it is accepted (Redis WAIT, "
+        "sent with its XADD); 0: none. With Sentinel and 2 replicas, 1",
+    )
     redis_resume_timeout: float = Field(
         30.0,
         description="seconds a request in flight waits for Redis to come back when its token "
@@ -254,6 +259,8 @@ class Settings(BaseSettings):
             from shared.bus import sentinel_addresses
 
             sentinel_addresses(self.redis_sentinels)  # raises ValueError with the reason
+        if self.redis_wait_replicas < 0:
+            raise ValueError("redis_wait_replicas must be >= 0")
         if self.redis_resume_timeout < 0:
             raise ValueError("redis_resume_timeout must be >= 0")
         if self.grammar_compile_timeout <= 0:

@@ -104,6 +104,7 @@ def create_app(settings: Settings) -> FastAPI:
             settings.max_queue_length,
             settings.max_queue_wait,
             settings.redis_resume_timeout,
+            settings.redis_wait_replicas,
         )
         await state.router.start()
         registering = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge, Histogram, generate_latest
 
 from shared.telemetry import new_registry
@@ -71,6 +72,18 @@ class GatewayMetrics:
             "generations one OpenAI request runs: its prompts times max(n, best_of)",
             ["route"],
             buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
+            registry=self.registry,
+        )
+        self.intake_wait = Histogram(
+            "textgen_intake_wait_seconds",
+            "a request's XADD until --redis-wait-replicas replicas have it (WAIT)",
+            buckets=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5],
+            registry=self.registry,
+        )
+        self.unreplicated = PromCounter(
+            "textgen_intake_unreplicated_requests",
+            "requests accepted before enough replicas had them (WAIT timed out); a failover "
+            "then may lose them from Redis, and the gateway re-submits them",
             registry=self.registry,
         )
         self.batch_current_size = Gauge(

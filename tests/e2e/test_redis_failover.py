@@ -2,12 +2,13 @@
 redis-ha.md, T1): every service follows the master through --redis-sentinels, and 32 streams in
 flight complete token for token as without the fault, each index once, no 5xx, stalled no
 longer than the failover plus 2 s (the gateway re-submits what the switch lost:
-services/gateway/pipeline/resume.py)."""
+services/gateway/pipeline/resume.py). Intake waits for one replica (--redis-wait-replicas 1)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import time
 
@@ -41,7 +42,7 @@ def redis_ha():
 @pytest.fixture
 def cluster(redis_ha, tiny_llama, namespace):
     flags = [*CLUSTER_ARGS, "--max-batch-total-tokens", "20000"]
-    flags += ["--redis-sentinels", redis_ha.sentinels]
+    flags += ["--redis-sentinels", redis_ha.sentinels, "--redis-wait-replicas", "1"]
     primary = f"redis://127.0.0.1:{redis_ha.data_ports[0]}"  # the test's own readiness checks
     cluster = Cluster(primary, namespace, tiny_llama, args=flags)
     try:
@@ -94,3 +95,6 @@ async def test_streams_survive_kill_9_of_the_redis_primary(cluster, redis_ha):
             pause = max(b - a for a, b in zip(times, times[1:]))
             assert pause <= failover_s + 2.0, f"{pause:.1f} s stalled, failover {failover_s:.1f}"
         cluster.check_alive()
+        metrics = (await http.get("/metrics")).text
+        waits = re.search(r"^textgen_intake_wait_seconds_count ([0-9.e+]+)$", metrics, re.M)
+        assert waits and float(waits.group(1)) >= len(PROMPTS) + NUM_STREAMS  # WAIT 1 each

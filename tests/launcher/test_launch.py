@@ -429,14 +429,16 @@ def test_launch_with_cuda_graphs(tiny_llama):
 
 def test_launch_with_redis_sentinels(tiny_llama):
     """--redis-sentinels and --redis-sentinel-master: `launch` starts no Redis of its own, and
-    every service follows the master the sentinels name (--redis-resume-timeout rides along);
-    a malformed sentinel list is one line and exit 2."""
+    every service follows the master the sentinels name (--redis-resume-timeout and
+    --redis-wait-replicas ride along: the request waited for a replica); a malformed sentinel
+    list is one line and exit 2."""
     from tests.support.redis_ha import RedisHA
 
     ha = RedisHA().start()
     port = free_port()
     flags = ["--redis-sentinels", ha.sentinels, "--redis-sentinel-master", "mymaster"]
-    process = launch(tiny_llama, port, *flags, "--redis-resume-timeout", "5")
+    flags += ["--redis-resume-timeout", "5", "--redis-wait-replicas", "1"]
+    process = launch(tiny_llama, port, *flags)
     try:
         ready = wait_for_line(process, "textgen is ready", timeout=120)
         assert f"sentinels {ha.sentinels}" in ready
@@ -445,6 +447,9 @@ def test_launch_with_redis_sentinels(tiny_llama):
         assert answer.status_code == 200 and answer.json()["generated_text"]
         primary = redis.Redis(port=ha.primary_port())
         assert primary.smembers("textgen:groups")  # the services registered on the master
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        waits = [line for line in metrics.splitlines() if "intake_wait_seconds_count" in line]
+        assert waits and float(waits[0].split()[-1]) >= 1
     finally:
         process.terminate()
         process.wait(timeout=60)

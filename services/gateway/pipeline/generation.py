@@ -29,12 +29,12 @@ from services.gateway.pipeline.errors import (
     overloaded,
     unavailable,
 )
+from services.gateway.pipeline.intake import Intake
 from services.gateway.pipeline.replies import RESUME, ReplyRouter
 from services.gateway.pipeline.results import Finished, KeepAlive, Prepared, Token
 from services.gateway.pipeline.resume import Resumer
 from services.gateway.pipeline.routing import AdapterRoutes
 from services.gateway.pipeline.tokenizer import TextTokenizer
-from shared.bus import FIELD
 from shared.channels import Channels
 from shared.codec import encode
 from shared.messages import (
@@ -51,12 +51,6 @@ REDIS_TIMEOUT_S = 2.0  # a Redis call slower than this is treated as Redis being
 # Intake in one round trip: the queue-length check and the XADD, atomically. KEYS: every lane,
 # then the lane to add to; ARGV: the most entries the lanes may hold, the field, the message.
 # Replies the new entry's id, or false when the queue is full.
-ENQUEUE = """
-local waiting = 0
-for i = 1, #KEYS - 1 do waiting = waiting + redis.call('XLEN', KEYS[i]) end
-if waiting > tonumber(ARGV[1]) then return false end
-return redis.call('XADD', KEYS[#KEYS], '*', ARGV[2], ARGV[3])
-"""
 
 
 class DeadlineExceeded(GatewayError):
@@ -97,6 +91,7 @@ class Generator:
         max_queue_length: int,
         max_queue_wait: float | None = None,
         resume_timeout: float = 30.0,
+        wait_replicas: int = 0,
     ):
         self.client = client
         self.router = router
@@ -106,7 +101,7 @@ class Generator:
         self.request_timeout = request_timeout
         self.max_queue_length = max_queue_length
         self.max_queue_wait = max_queue_wait  # seconds to the first event; None: the deadline
-        self._enqueue = client.register_script(ENQUEUE)
+        self.intake = Intake(client, metrics, max_queue_length, wait_replicas)
         self.routes = AdapterRoutes(client, channels)  # LoRA requests to the adapter's holder
         self.resumer = Resumer(self._send, router, metrics, resume_timeout)
         self._background: set[asyncio.Task] = set()
@@ -197,9 +192,7 @@ class Generator:
         keys = [*self.channels.lanes, target]
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
-                entry_id = await self._enqueue(
-                    keys=keys, args=[self.max_queue_length, FIELD, encode(message)]
-                )
+                entry_id = await self.intake.add(keys, encode(message))
         except (RedisError, OSError, TimeoutError) as exc:
             raise unavailable(f"Redis unreachable ({type(exc).__name__}: {exc})") from exc
         if entry_id is None:
