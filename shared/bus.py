@@ -21,6 +21,7 @@ from redis.typing import EncodableT, FieldT
 from shared.codec import decode, encode
 
 if TYPE_CHECKING:
+    from shared.channels import Channels
     from shared.settings import Settings
 
 T = TypeVar("T")
@@ -148,6 +149,23 @@ def sync_pool(
     )
     pool: redis.ConnectionPool = master_client.connection_pool
     return pool
+
+
+async def group_states(
+    client: aioredis.Redis, channels: Channels
+) -> list[tuple[str, bytes | None, bool]]:
+    """Every registered worker group: (group, its Heartbeat's bytes or None once it stopped
+    beating, whether it drains), in two round trips."""
+    groups = sorted(as_text(raw) for raw in await client.smembers(channels.groups))
+    async with client.pipeline(transaction=False) as pipe:
+        for group in groups:
+            pipe.get(channels.heartbeat(group))
+            pipe.exists(channels.drain(group))
+        replies = await pipe.execute()
+    return [
+        (group, beat, bool(draining))
+        for group, beat, draining in zip(groups, replies[::2], replies[1::2], strict=True)
+    ]
 
 
 async def wait_for_redis(client: aioredis.Redis, timeout: float = 30.0) -> None:

@@ -86,18 +86,10 @@ def decode_ceiling(
     engine = engine_class(str(model_dir))
     model = engine.loaded.model
     vocab = engine.tokenizer.get_vocab_size()
-    for i in range(batch):
-        prompt = [(7 * i + 13 * j) % (vocab - 3) + 3 for j in range(context_len)]
-        engine.add(prompt, max_new_tokens=steps + 4)
-    while engine.stats.num_generated_tokens < 2 * batch:  # every prompt is in the cache
-        engine.step()
-    before = engine.stats.num_steps
-    started = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    step_s = (time.perf_counter() - started) / (engine.stats.num_steps - before)
-    sizes = engine.stats.step_sizes[before:]
-    engine.run()
+    prompts = [
+        [(7 * i + 13 * j) % (vocab - 3) + 3 for j in range(context_len)] for i in range(batch)
+    ]
+    step_s, sizes = timed_decode_steps(engine, prompts, steps)
     achieved = flops_per_token(model, context_len + 4) * batch / step_s / 1e9
     ceiling = matmul_ceiling_gflops(model.dtype, engine.loaded.device)
     return {
@@ -113,20 +105,30 @@ def decode_ceiling(
     }
 
 
-def memory_roofline(engine: Any, context_len: int, steps: int = 32) -> dict[str, Any]:
-    """Time batch-1 decode steps of one request of `context_len` prompt tokens on `engine`."""
-    vocab = engine.tokenizer.get_vocab_size()
-    prompt = [(11 * j) % (vocab - 3) + 3 for j in range(context_len)]
+def timed_decode_steps(engine: Any, prompts: list[list[int]], steps: int) -> tuple[float, list]:
+    """Seconds per step of `steps` decode steps of `prompts` on `engine` (timed once each has
+    its prompt in the cache and a first decode done), and the steps' sizes; then runs them
+    out."""
     generated = engine.stats.num_generated_tokens
-    engine.add(prompt, max_new_tokens=steps + 8)
-    while engine.stats.num_generated_tokens < generated + 2:  # the prompt, then one decode
+    for prompt in prompts:
+        engine.add(prompt, max_new_tokens=steps + 8)
+    while engine.stats.num_generated_tokens < generated + 2 * len(prompts):
         engine.step()
     before = engine.stats.num_steps
     started = time.perf_counter()
     for _ in range(steps):
         engine.step()
     step_s = (time.perf_counter() - started) / (engine.stats.num_steps - before)
+    sizes = engine.stats.step_sizes[before:]
     engine.run()
+    return step_s, sizes
+
+
+def memory_roofline(engine: Any, context_len: int, steps: int = 32) -> dict[str, Any]:
+    """Time batch-1 decode steps of one request of `context_len` prompt tokens on `engine`."""
+    vocab = engine.tokenizer.get_vocab_size()
+    prompt = [(11 * j) % (vocab - 3) + 3 for j in range(context_len)]
+    step_s, _ = timed_decode_steps(engine, [prompt], steps)
     loaded = engine.loaded
     moved = bytes_per_step(loaded.model, loaded.cache_shape.bytes_per_token, context_len + steps)
     bandwidth = copy_bandwidth_gbs(loaded.device)

@@ -35,7 +35,7 @@ from services.scheduler.recovery import (
     parse_request,
 )
 from services.scheduler.request import SchedRequest
-from shared.bus import as_text, ensure_group, stream_fields
+from shared.bus import as_text, ensure_group, group_states, stream_fields
 from shared.channels import SCHEDULER_GROUP, Channels
 from shared.messages import GenerateRequest
 
@@ -130,18 +130,13 @@ class RequestIntake:
     async def _orphaned_streams(self) -> tuple[list[str], list[str]]:
         """The own streams of the groups that stopped beating or drain (this one's aside),
         and those of every known group."""
-        groups = sorted(as_text(raw) for raw in await self.redis.smembers(self.channels.groups))
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for group in groups:
-                pipe.exists(self.channels.heartbeat(group))
-                pipe.exists(self.channels.drain(group))
-            replies = await pipe.execute()
+        states = await group_states(self.redis, self.channels)
         orphaned = [
             self.channels.directed(group)
-            for group, beating, draining in zip(groups, replies[::2], replies[1::2], strict=True)
-            if group != self.group and (not beating or draining)
+            for group, beat, draining in states
+            if group != self.group and (beat is None or draining)
         ]
-        return orphaned, [self.channels.directed(group) for group in groups]
+        return orphaned, [self.channels.directed(group) for group, _, _ in states]
 
     async def _take_all(self, entries: list[tuple[str, bytes, dict[bytes, bytes]]]) -> list[Taken]:
         """The requests of `entries` that are to be scheduled (counted as pulled)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from services.bench.ceiling import bytes_per_step, flops_per_token, format_ceiling
 
 
-def test_flops_per_token_counts_every_linear_and_the_attention():
+def small_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -17,7 +17,11 @@ def test_flops_per_token_counts_every_linear_and_the_attention():
         num_key_value_heads=2,
         tie_word_embeddings=True,
     )
-    model = LlamaForCausalLM(config)
+    return LlamaForCausalLM(config)
+
+
+def test_flops_per_token_counts_every_linear_and_the_attention():
+    model = small_llama()
     head_dim = 8
     per_layer = 32 * 4 * head_dim + 2 * 32 * 2 * head_dim + 4 * head_dim * 32 + 3 * 32 * 64
     linear = 2 * per_layer + 32 * 100  # the tied lm_head still multiplies
@@ -64,18 +68,7 @@ def test_format_names_the_fraction():
 
 
 def test_bytes_per_step_reads_tied_weights_once_and_the_context():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    model = LlamaForCausalLM(config)
+    model = small_llama()
     distinct = sum(p.numel() for p in model.parameters()) * 4  # parameters() yields ties once
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert bytes_per_step(model, bytes_per_token=512, context_len=10) == distinct + 5120

@@ -60,6 +60,23 @@ def launch(model: Path, port: int, *flags: str) -> subprocess.Popen:
     )
 
 
+def refused_launch(model: Path, *flags: str, env: dict[str, str] | None = None) -> str:
+    """`textgen launch` with `flags` that it refuses: exit 2 and one line, no traceback."""
+    out = subprocess.run(
+        [sys.executable, "-m", "services.launcher.cli", "launch", "--model-id", str(model)]
+        + list(flags),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 2, out
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in out.stderr + out.stdout, out.stderr
+    return lines[0]
+
+
 def wait_for_line(process: subprocess.Popen, needle: str, timeout: float = 180) -> str:
     deadline = time.monotonic() + timeout
     seen = []
@@ -300,20 +317,9 @@ def test_kill_9_of_the_launcher_leaves_nothing_behind(tiny_llama):
 def test_a_model_that_cannot_be_found_is_one_clear_line(model):
     """Offline, or a typo: one line that says what to do, no traceback, exit code 2, and
     nothing started."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "services.launcher.cli", "launch", "--model-id", model],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert out.returncode == 2, out
-    lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in out.stderr + out.stdout, out.stderr
-    assert lines[0].startswith("textgen launch: ") and model in lines[0]
-    assert "pass a local model folder" in lines[0] or "does not exist" in lines[0]
+    line = refused_launch(Path(model), env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert line.startswith("textgen launch: ") and model in line
+    assert "pass a local model folder" in line or "does not exist" in line
 
 
 def test_launch_with_grammar_flags(tiny_llama):
@@ -386,19 +392,9 @@ def test_launch_with_lora_flags(tiny_llama, tmp_path):
 
 
 def test_launch_refuses_a_bad_lora_adapter_in_one_line(tiny_llama, tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "services.launcher.cli", "launch", "--model-id", str(tiny_llama)]
-        + ["--lora-adapters", f"x={tmp_path}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 2, out
-    lines = [line for line in out.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in out.stderr + out.stdout, out.stderr
+    line = refused_launch(tiny_llama, "--lora-adapters", f"x={tmp_path}")
     expected = f"no adapter_config.json in {str(tmp_path)!r} (adapters load from local folders)"
-    assert lines[0] == f"textgen launch: {expected}"
+    assert line == f"textgen launch: {expected}"
 
 
 def test_launch_with_cuda_graphs(tiny_llama):
@@ -414,17 +410,8 @@ def test_launch_with_cuda_graphs(tiny_llama):
     finally:
         process.terminate()
         process.wait(timeout=60)
-    out = subprocess.run(
-        [sys.executable, "-m", "services.launcher.cli", "launch", "--model-id", str(tiny_llama)]
-        + ["--cuda-graphs", "1,x"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 2, out
-    assert "cuda_graphs must be batch sizes like 1,2,4,8 or 0, not '1,x'" in out.stderr
-    assert "Traceback" not in out.stderr + out.stdout
+    line = refused_launch(tiny_llama, "--cuda-graphs", "1,x")
+    assert "cuda_graphs must be batch sizes like 1,2,4,8 or 0, not '1,x'" in line
 
 
 def test_launch_with_redis_sentinels(tiny_llama):
@@ -454,13 +441,5 @@ def test_launch_with_redis_sentinels(tiny_llama):
         process.terminate()
         process.wait(timeout=60)
         ha.stop()
-    out = subprocess.run(
-        [sys.executable, "-m", "services.launcher.cli", "launch", "--model-id", str(tiny_llama)]
-        + ["--redis-sentinels", "nowhere"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 2, out
-    assert "redis_sentinels must be host:port,... not 'nowhere'" in out.stderr
+    line = refused_launch(tiny_llama, "--redis-sentinels", "nowhere")
+    assert "redis_sentinels must be host:port,... not 'nowhere'" in line

@@ -24,7 +24,7 @@ from collections import defaultdict
 
 import redis.asyncio as aioredis
 
-from shared.bus import REDIS_ERRORS, as_text
+from shared.bus import REDIS_ERRORS, group_states
 from shared.channels import Channels
 from shared.codec import decode
 from shared.messages import Heartbeat
@@ -57,14 +57,8 @@ class AdapterRoutes:
         return min(holders)[1] if holders else None
 
     async def _read(self) -> dict[str, list[tuple[int, str]]]:
-        groups = sorted(as_text(raw) for raw in await self.redis.smembers(self.channels.groups))
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for group in groups:
-                pipe.get(self.channels.heartbeat(group))
-                pipe.exists(self.channels.drain(group))
-            replies = await pipe.execute()
         holders: dict[str, list[tuple[int, str]]] = defaultdict(list)
-        for group, beat, draining in zip(groups, replies[::2], replies[1::2], strict=True):
+        for group, beat, draining in await group_states(self.redis, self.channels):
             if beat is None or draining:
                 continue
             heartbeat = decode(beat, Heartbeat)
