@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge, Histogram, generate_latest
 
 from shared.telemetry import new_registry
@@ -36,6 +35,7 @@ class GatewayMetrics:
         self.num_unknown_adapters = 0  # requests naming an adapter nobody registered
         self.num_routed_adapter_requests = 0  # sent to the group holding their adapter
         self.num_resumed_requests = 0  # re-submitted after Redis lost their token events
+        self.num_unreplicated = 0  # accepted before --redis-wait-replicas replicas had them
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(name, doc, buckets=buckets, registry=self.registry)
@@ -78,12 +78,6 @@ class GatewayMetrics:
             "textgen_intake_wait_seconds",
             "a request's XADD until --redis-wait-replicas replicas have it (WAIT)",
             buckets=[0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5],
-            registry=self.registry,
-        )
-        self.unreplicated = PromCounter(
-            "textgen_intake_unreplicated_requests",
-            "requests accepted before enough replicas had them (WAIT timed out); a failover "
-            "then may lose them from Redis, and the gateway re-submits them",
             registry=self.registry,
         )
         self.batch_current_size = Gauge(
@@ -171,5 +165,10 @@ class GatewayMetrics:
             "delivered, after Redis lost their token events (restart, failover, gap)",
             "# TYPE textgen_resumed_requests counter",
             f"textgen_resumed_requests {self.num_resumed_requests}",
+            "# HELP textgen_intake_unreplicated_requests requests accepted before enough "
+            "replicas had them (WAIT timed out): a failover may lose them from Redis, and the "
+            "gateway then re-submits them",
+            "# TYPE textgen_intake_unreplicated_requests counter",
+            f"textgen_intake_unreplicated_requests {self.num_unreplicated}",
         ]
         return ("\n".join(lines) + "\n").encode() + generate_latest(self.registry)

@@ -60,6 +60,6 @@ class Intake:
             entry_id, replicas = await pipe.execute()
         self.metrics.intake_wait.observe(time.perf_counter() - started)
         if entry_id is not None and replicas < self.wait_replicas:
-            self.metrics.unreplicated.inc()
+            self.metrics.num_unreplicated += 1
             log.warning("a request reached %d of %d replicas", replicas, self.wait_replicas)
         return entry_id
