@@ -143,6 +143,9 @@ class AbortRequest(Message):
 
     request_id: str  # the request to drop; unknown ids are ignored
     reason: str = ""  # free text for logs: "disconnect", "stop_sequence", ...
+    # 0: every copy; k: only attempts below k (stale copies once the gateway re-submitted the
+    # request as attempt k: services/gateway/pipeline/resume.py)
+    below_attempt: int = 0
 
 
 class NewRequest(msgspec.Struct, omit_defaults=True, kw_only=True):

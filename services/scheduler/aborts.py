@@ -24,18 +24,21 @@ class AbortListener:
         self.redis = redis
         self.channels = channels
         self.memory_s = memory_s  # how long an abort is remembered (the request timeout)
-        self.heard: dict[str, float] = {}  # request_id -> unix s heard
+        # request_id -> (unix s heard, below_attempt: 0 covers every attempt)
+        self.heard: dict[str, tuple[float, int]] = {}
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self.heard
+    def covers(self, request_id: str, attempt: int) -> bool:
+        """An abort was heard for this attempt of the request."""
+        heard = self.heard.get(request_id)
+        return heard is not None and (heard[1] == 0 or attempt < heard[1])
 
-    def recent(self) -> list[str]:
-        """Ids heard within memory_s (older ones are forgotten)."""
+    def recent(self) -> list[tuple[str, int]]:
+        """(id, below_attempt) heard within memory_s (older ones are forgotten)."""
         horizon = time.time() - self.memory_s
-        for request_id, heard_at in list(self.heard.items()):
+        for request_id, (heard_at, _) in list(self.heard.items()):
             if heard_at < horizon:
                 del self.heard[request_id]
-        return list(self.heard)
+        return [(request_id, below) for request_id, (_, below) in self.heard.items()]
 
     async def run(self) -> None:
         """Background: listen; resubscribe with backoff after a Redis outage."""
@@ -64,4 +67,8 @@ class AbortListener:
         except Exception as exc:  # a poisoned message must not stop the listener
             log.warning("malformed abort message: %s", exc)
             return
-        self.heard[abort.request_id] = time.time()
+        below = abort.below_attempt
+        earlier = self.heard.get(abort.request_id)
+        if earlier is not None and (earlier[1] == 0 or (below and earlier[1] > below)):
+            below = earlier[1]  # what was heard covers more
+        self.heard[abort.request_id] = (time.time(), below)

@@ -154,7 +154,7 @@ class RequestIntake:
             await dead_letter(self.redis, self.channels, lane, entry_id, fields, str(exc))
             await self.ack([(lane, entry_id)])
             return None
-        if message.request_id in self.aborts or (
+        if self.aborts.covers(message.request_id, message.attempt) or (
             message.deadline and message.deadline < time.time()
         ):
             await self.ack([(lane, entry_id)])

@@ -95,10 +95,14 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._enqueue(request)
 
-    def abort(self, request_id: str) -> bool:
-        """Drop a request the gateway no longer wants; False if unknown here."""
+    def abort(self, request_id: str, below_attempt: int = 0) -> bool:
+        """Drop a request the gateway no longer wants (only if its attempt is below
+        `below_attempt`, unless that is 0); False if there is none such here."""
+        stashed = self._replacements.get(request_id)
+        if stashed is not None and (below_attempt == 0 or stashed[0].attempt < below_attempt):
+            self._add_new(*self._replacements.pop(request_id))  # ended below: acknowledged
         request = self.requests.get(request_id)
-        if request is None:
+        if request is None or (below_attempt and request.message.attempt >= below_attempt):
             return False
         self._end(request, RequestStatus.ABORTED)
         return True

@@ -355,8 +355,8 @@ class SchedulerService:
     def _apply_aborts(self) -> None:
         scheduler = self.scheduler
         assert scheduler is not None
-        for request_id in self.aborts.recent():
-            if scheduler.abort(request_id):
+        for request_id, below_attempt in self.aborts.recent():
+            if scheduler.abort(request_id, below_attempt):
                 log.debug("aborted %s", request_id)
 
     async def _publish_stats(self) -> None:

@@ -162,3 +162,31 @@ def test_a_later_attempt_replaces_the_held_request_once_its_step_is_back():
     assert plan.released_ids == [first.request_id]  # the worker drops attempt 0 first
     assert [r.request_id for r in plan.new_requests] == [first.request_id]
     assert not s.add(first, b"5-0")
+
+
+def test_an_abort_below_an_attempt_spares_that_attempt():
+    """The gateway re-submitted a request as attempt 2 and aborts the attempts below it: a
+    scheduler holding attempt 1 drops it, one holding attempt 2 keeps it; an abort of every
+    attempt drops any."""
+    import msgspec
+
+    from services.scheduler.aborts import AbortListener
+    from shared.codec import encode
+    from shared.messages import AbortRequest
+
+    listener = AbortListener(redis=None, channels=None, memory_s=60)  # type: ignore[arg-type]
+    listener.hear(encode(AbortRequest(request_id="x", reason="resumed", below_attempt=2)))
+    assert listener.covers("x", 1) and not listener.covers("x", 2)
+    listener.hear(encode(AbortRequest(request_id="x", reason="resumed", below_attempt=1)))
+    assert listener.covers("x", 1)  # the wider abort heard first still holds
+    listener.hear(encode(AbortRequest(request_id="x", reason="disconnect")))
+    assert listener.covers("x", 5) and listener.recent() == [("x", 0)]
+    s = scheduler()
+    old = msgspec.structs.replace(request(4), attempt=1)
+    new = msgspec.structs.replace(old, attempt=2)
+    s.add(new, b"1-0")
+    assert not s.abort(new.request_id, below_attempt=2) and new.request_id in s.requests
+    other = scheduler()
+    other.add(old, b"2-0")
+    assert other.abort(old.request_id, below_attempt=2) and old.request_id not in other.requests
+    assert s.abort(new.request_id) and new.request_id not in s.requests

@@ -103,7 +103,7 @@ class Generator:
         self.max_queue_wait = max_queue_wait  # seconds to the first event; None: the deadline
         self.intake = Intake(client, metrics, max_queue_length, wait_replicas)
         self.routes = AdapterRoutes(client, channels)  # LoRA requests to the adapter's holder
-        self.resumer = Resumer(self._send, router, metrics, resume_timeout)
+        self.resumer = Resumer(self._send, self._abort, router, metrics, resume_timeout)
         self._background: set[asyncio.Task] = set()
         self.num_queued = 0  # requests sent and waiting for their first event
         self.num_running = 0  # requests with at least one event
@@ -360,19 +360,20 @@ class Generator:
             finished.seed,
         )
 
-    def _abort(self, request_id: str, reason: str) -> None:
-        """PUBLISH an AbortRequest in the background: the caller may be being cancelled."""
-        task = asyncio.get_running_loop().create_task(self._publish_abort(request_id, reason))
+    def _abort(self, request_id: str, reason: str, below_attempt: int = 0) -> None:
+        """PUBLISH an AbortRequest (of the attempts below `below_attempt`, unless 0) in the
+        background: the caller may be being cancelled."""
+        abort = AbortRequest(request_id=request_id, reason=reason, below_attempt=below_attempt)
+        task = asyncio.get_running_loop().create_task(self._publish_abort(abort))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _publish_abort(self, request_id: str, reason: str) -> None:
-        data = encode(AbortRequest(request_id=request_id, reason=reason))
+    async def _publish_abort(self, abort: AbortRequest) -> None:
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
-                await self.client.publish(self.channels.aborts, data)
+                await self.client.publish(self.channels.aborts, encode(abort))
         except (RedisError, OSError, TimeoutError) as exc:
-            log.warning("could not publish abort of %s: %s", request_id, exc)
+            log.warning("could not publish abort of %s: %s", abort.request_id, exc)
 
     async def drain(self) -> None:
         """Wait for background aborts (shutdown)."""

@@ -8,8 +8,8 @@ subscription to come back and adds itself to its lane again, under the same requ
 the tokens it delivered as `generated_ids`, as a worker group's failover does: the group that
 takes it continues at the next index, and since a draw depends only on (seed, token index),
 the continuation equals the undisturbed output. Each re-submission carries the next `attempt`:
-a scheduler that holds an earlier one replaces it, and a copy that survived elsewhere may run
-on (the router delivers each index once) until the request's end aborts it. It gives up (a
+a scheduler that holds an earlier one replaces it, and an abort of the earlier attempts stops
+copies that survived elsewhere (meanwhile the router delivers each index once). It gives up (a
 generation error) after --redis-resume-timeout or at the request's deadline.
 
     delivered 1..7 | RESUME | (Redis back) XADD generated_ids=[t1..t7] | tokens 8, 9, ...
@@ -38,11 +38,13 @@ class Resumer:
     def __init__(
         self,
         send: Callable[[GenerateRequest], Awaitable[None]],
+        abort: Callable[[str, str, int], None],
         router: ReplyRouter,
         metrics: GatewayMetrics,
         timeout_s: float,
     ) -> None:
         self.send = send  # adds a request to its lane (Generator._send)
+        self.abort = abort  # publishes an AbortRequest (Generator._abort)
         self.router = router
         self.metrics = metrics
         self.timeout_s = timeout_s  # --redis-resume-timeout
@@ -69,6 +71,8 @@ class Resumer:
                 else:
                     self.router.resumed(message.request_id)
                     self.attempts[message.request_id] = attempt
+                    # earlier copies that survived stop now, wherever they run
+                    self.abort(message.request_id, "resumed", attempt)
                     self.metrics.num_resumed_requests += 1
                     log.info(
                         "request %s resumed after %d tokens (%.2f s without Redis)",
