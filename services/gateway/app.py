@@ -93,6 +93,7 @@ def create_app(settings: Settings) -> FastAPI:
             state.client,
             state.channels.reply(state.gateway_id),
             resume=settings.redis_resume_timeout > 0,
+            on_epoch_change=state.metrics.redis_epoch_changed,
         )
         state.generator = Generator(
             state.client,

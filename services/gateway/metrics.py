@@ -36,6 +36,7 @@ class GatewayMetrics:
         self.num_routed_adapter_requests = 0  # sent to the group holding their adapter
         self.num_resumed_requests = 0  # re-submitted after Redis lost their token events
         self.num_unreplicated = 0  # accepted before --redis-wait-replicas replicas had them
+        self.num_redis_epoch_changes = 0  # Redis restarted or failed over under this gateway
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(name, doc, buckets=buckets, registry=self.registry)
@@ -115,6 +116,9 @@ class GatewayMetrics:
         self.input_length.observe(num_input_tokens)
         self.generated_tokens.observe(num_generated_tokens)
 
+    def redis_epoch_changed(self) -> None:
+        self.num_redis_epoch_changes += 1
+
     def render(self) -> bytes:
         lines = [
             "# HELP tgi_request_count requests entering a generation handler",
@@ -170,5 +174,9 @@ class GatewayMetrics:
             "gateway then re-submits them",
             "# TYPE textgen_intake_unreplicated_requests counter",
             f"textgen_intake_unreplicated_requests {self.num_unreplicated}",
+            "# HELP textgen_redis_epoch_changes times this gateway found Redis restarted or "
+            "failed over (a new run_id or replication id) when it subscribed again",
+            "# TYPE textgen_redis_epoch_changes counter",
+            f"textgen_redis_epoch_changes {self.num_redis_epoch_changes}",
         ]
         return ("\n".join(lines) + "\n").encode() + generate_latest(self.registry)

@@ -98,3 +98,4 @@ async def test_streams_survive_kill_9_of_the_redis_primary(cluster, redis_ha):
         metrics = (await http.get("/metrics")).text
         waits = re.search(r"^textgen_intake_wait_seconds_count ([0-9.e+]+)$", metrics, re.M)
         assert waits and float(waits.group(1)) >= len(PROMPTS) + NUM_STREAMS  # WAIT 1 each
+        assert "textgen_redis_epoch_changes 1" in metrics  # a new replication id

@@ -116,6 +116,7 @@ async def test_streams_in_flight_resume_after_redis_returns_empty(cluster, redis
         cluster.check_alive()
         metrics = (await http.get("/metrics")).text
         assert f"textgen_resumed_requests {NUM_STREAMS}" in metrics
+        assert "textgen_redis_epoch_changes 1" in metrics  # a new run_id
 
 
 @pytest.mark.parametrize("cluster", [["--redis-resume-timeout", "0"]], indirect=True)

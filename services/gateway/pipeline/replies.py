@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -69,9 +70,19 @@ def without_duplicates(event: TokenEvent, num_delivered: int) -> TokenEvent | No
 class ReplyRouter:
     """Owns the gateway's single reply subscription and the per-request queues."""
 
-    def __init__(self, client: aioredis.Redis, channel: str, resume: bool = True):
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        channel: str,
+        resume: bool = True,
+        on_epoch_change: Callable[[], None] = lambda: None,
+    ):
         self.client = client
         self.channel = channel
+        # Redis's identity at the last subscription: (run_id, master_replid). A restart changes
+        # the first, a failover the second: a suffix of its writes may be gone
+        self.epoch: tuple[str, str] | None = None
+        self.on_epoch_change = on_epoch_change
         self.resume = resume  # on a lost subscription, resume the requests (else fail them)
         self.num_resumes = 0  # RESUME events sent (lost subscriptions and gaps)
         self.is_subscribed = False
@@ -184,6 +195,24 @@ class ReplyRouter:
             await asyncio.sleep(0.01)
         return self.is_subscribed
 
+    async def _check_epoch(self) -> None:
+        """Note Redis's identity; a change (a restart, a failover) is logged and counted."""
+        try:
+            server = await self.client.info("server")
+            replication = await self.client.info("replication")
+        except RedisError as exc:  # the subscription decides whether Redis is there
+            log.debug("no Redis identity: %s", exc)
+            return
+        epoch = (str(server.get("run_id", "")), str(replication.get("master_replid", "")))
+        if self.epoch is not None and epoch != self.epoch:
+            log.warning(
+                "Redis changed (run_id %s, replication id %s): requests in flight resume",
+                epoch[0][:8],
+                epoch[1][:8],
+            )
+            self.on_epoch_change()
+        self.epoch = epoch
+
     async def _run(self) -> None:
         """Subscribe and listen forever; on a Redis failure, tell the requests in flight to
         resume and resubscribe with backoff (0.1 s doubling up to MAX_BACKOFF_S)."""
@@ -192,6 +221,7 @@ class ReplyRouter:
             pubsub = self.client.pubsub()
             try:
                 await pubsub.subscribe(self.channel)
+                await self._check_epoch()
                 self.is_subscribed = True
                 delay = 0.1
                 log.info("listening for token events on %s", self.channel)
