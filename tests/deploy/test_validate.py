@@ -50,7 +50,7 @@ from tests.deploy.test_manifests import (
 # Validate against this Kubernetes release: the kubectl in CI is 1.32, and kubernetes-validate
 # ships its schemas (1.25 onwards in 1.37.0).
 K8S_VERSION = "1.32.0"
-OVERLAYS = ["cpu", "gpu"]
+OVERLAYS = ["cpu", "gpu", "redis-ha"]
 # Variables the compose files interpolate without a default.
 COMPOSE_ENV = {"MODEL_ID": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 # What a fieldRef resolves to in a pod of the worker StatefulSet.
