@@ -97,6 +97,25 @@ class RequestIntake:
             ]
         return await self._take_all(entries)
 
+    async def own_pending(self) -> list[Taken]:
+        """The entries this scheduler took and has not acknowledged (a session reset by a
+        Redis outage or failover takes its requests again at once, instead of waiting
+        claim_timeout for its own entries to look abandoned)."""
+        entries: list[tuple[str, bytes, dict[bytes, bytes]]] = []
+        for stream in self.streams:
+            reply: Any = await self.redis.xreadgroup(
+                SCHEDULER_GROUP, self.consumer, {stream: "0"}, count=10_000
+            )
+            entries += [
+                (stream, entry_id, fields)
+                for _, got in reply or []
+                for entry_id, fields in got
+                if fields  # deleted since: nothing to take
+            ]
+        if entries:
+            log.info("took back %d requests of this scheduler's last session", len(entries))
+        return await self._take_all(entries)
+
     async def claim(self, room: int) -> list[Taken]:
         """Up to `room` requests: those routed to groups that stopped beating or drain and
         not yet read, then those of schedulers silent for claim_timeout (on every stream)."""

@@ -37,6 +37,7 @@ from shared.settings import Settings
 from shared.telemetry import record_span, tracer
 
 log = logging.getLogger(__name__)
+MAX_BACKOFF_S = 1.0  # between Redis retries: a failover takes seconds, follow it soon
 
 
 STATS_INTERVAL_S = 0.25
@@ -129,7 +130,7 @@ class SchedulerService:
                     log.warning("Redis unreachable or reset (%s); retrying in %.2f s", exc, backoff)
                     self.scheduler = None  # held requests stay pending: claimed again later
                     await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 5.0)
+                    backoff = min(backoff * 2, MAX_BACKOFF_S)
         finally:
             for task in tasks:
                 task.cancel()
@@ -145,6 +146,7 @@ class SchedulerService:
         await self.steps.reset()
         self._worker = ready
         self.scheduler = Scheduler(config, clock=time.time)  # its first plan resets the worker
+        await self._add(await self.intake.own_pending())
         self.metrics.kv_blocks.set(ready.num_blocks)
         log.info(
             "scheduler %s drives group %s (%d blocks x %d tokens)",

@@ -35,6 +35,7 @@ from shared.messages import AdapterRef, Heartbeat, ReplyBatch, StepPlan, WorkerR
 from shared.settings import Settings, parse_cuda_graphs
 
 log = logging.getLogger(__name__)
+MAX_BACKOFF_S = 1.0  # between Redis retries: a failover takes seconds, follow it soon
 
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TTL_S = 5
@@ -184,7 +185,7 @@ class WorkerService:
                     break
                 log.warning("Redis unreachable (%s); retrying in %.2f s", exc, backoff)
                 time.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
             backoff = 0.25
             for entry_id, fields in entries:
@@ -223,7 +224,7 @@ class WorkerService:
                     return
                 log.warning("could not publish a step (%s); retrying in %.2f s", exc, backoff)
                 time.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
             self.metrics.publish_duration.observe(time.perf_counter() - started)
             return

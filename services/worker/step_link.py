@@ -7,7 +7,11 @@ for Redis between two steps:
 - in: one XREAD BLOCK on the steps stream is always out, so the next plan lands in the socket
   while the step before it computes and is only parsed when that step ends;
 - out: a step's PUBLISHes and XADD leave in one write; their replies are read later, those
-  already arrived before each write (an error reply is logged and counted).
+  already arrived before each write (an error reply is logged and counted). A write that a
+  demoted primary refused (READONLY: Sentinel made it a replica) is not lost: both
+  connections are dropped, the next write reconnects to the master the sentinels name and
+  sends that batch again first (a result or event twice is harmless: the scheduler keys results
+  by step, the gateway delivers each token index once).
 
 Two connections, since a connection blocked in XREAD runs nothing else. Plain redis-py
 connections (send a command now, read its reply later), with hiredis parsing where installed.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -75,6 +80,10 @@ class StepLink:
         self.last_id = b"0-0"  # the last entry read from `steps`
         self._is_reading = False  # an XREAD is out on the reader, its reply not read yet
         self._num_unanswered = 0  # commands sent on the sender whose replies are unread
+        # the batches those belong to, oldest first: [commands, replies unread, refused]
+        self._batches: deque[list[Any]] = deque()
+        self._refused: list[Command] = []  # a demoted primary's refusals, to send again
+        self._is_demoted = False  # a refusal was read: reconnect before the next write
         self._num_untrimmed = 0  # entries read since the steps stream was last trimmed
         self._on_error_reply = on_error_reply
 
@@ -98,7 +107,7 @@ class StepLink:
             # the same server: the sender's connection is as dead, and a write into a socket
             # the server closed can seem to succeed (its loss shows only at the next write)
             self._sender.disconnect()
-            self._num_unanswered = 0
+            self._forget_unanswered()
             raise
         finally:
             self._is_reading = False
@@ -119,15 +128,28 @@ class StepLink:
         return entries
 
     def send(self, commands: list[Command]) -> None:
-        """Write `commands` in one packet; their replies are read by a later call."""
+        """Write `commands` in one packet (after any a demoted primary refused); their replies
+        are read by a later call."""
         try:
             self._drain()
-            self._sender.send_packed_command(self._sender.pack_commands(commands))
+            if self._is_demoted:
+                self._is_demoted = False
+                self.close()  # both reconnect to the master the sentinels name now
+                self._is_reading = False  # the XREAD out went with the reader
+                raise ConnectionError("the Redis primary became a replica (READONLY)")
+            batch = [*self._refused, *commands]
+            self._sender.send_packed_command(self._sender.pack_commands(batch))
         except BaseException:
-            self._num_unanswered = 0  # their replies went with the connection
+            self._forget_unanswered()  # their replies went with the connection
             self._sender.disconnect()
             raise
-        self._num_unanswered += len(commands)
+        self._refused = []
+        self._num_unanswered += len(batch)
+        self._batches.append([batch, len(batch), False])
+
+    def _forget_unanswered(self) -> None:
+        self._num_unanswered = 0
+        self._batches.clear()
 
     def close(self) -> None:
         for connection in (self._reader, self._sender):
@@ -144,12 +166,23 @@ class StepLink:
         while self._num_unanswered and (
             self._num_unanswered >= MAX_UNANSWERED or self._sender.can_read(0)
         ):
+            batch = self._batches[0]
             try:
                 self._sender.read_response()
             except ResponseError as exc:
-                log.error("Redis refused a worker's write: %s", exc)
+                if str(exc).startswith("READONLY"):
+                    batch[2] = True  # sent again once reconnected to the master
+                else:
+                    log.error("Redis refused a worker's write: %s", exc)
                 if self._on_error_reply is not None:
                     self._on_error_reply()
             self._num_unanswered -= 1
+            batch[1] -= 1
+            if not batch[1]:
+                self._batches.popleft()
+                if batch[2]:
+                    log.warning("the Redis primary refused a step's output: sending it again")
+                    self._refused = [*self._refused, *batch[0]]
+                    self._is_demoted = True
         if not self._num_unanswered and self._sender.can_read(0):
             self._sender.read_response()  # raises ConnectionError at the closed end

@@ -78,6 +78,28 @@ class RedisHA:
         self.processes[port].wait(timeout=10)
         return port
 
+    def failover(self) -> int:
+        """A graceful SENTINEL FAILOVER; the old primary's port."""
+        port = self.primary_port()
+        assert port is not None
+        redis.Redis(port=self.sentinel_ports[0]).execute_command("SENTINEL", "FAILOVER", MASTER)
+        return port
+
+    def lag_replicas_then_kill_primary(self, lag_s: float = 0.5) -> int:
+        """SIGSTOP the replicas for `lag_s` (writes pile up on the primary alone), kill -9 the
+        primary, SIGCONT the replicas: the promoted one lacks the newest writes. Its port."""
+        primary = self.primary_port()
+        assert primary is not None
+        replicas = [p for p in self.data_ports if p != primary]
+        for port in replicas:
+            self.processes[port].send_signal(signal.SIGSTOP)
+        time.sleep(lag_s)
+        self.processes[primary].send_signal(signal.SIGKILL)
+        self.processes[primary].wait(timeout=10)
+        for port in replicas:
+            self.processes[port].send_signal(signal.SIGCONT)
+        return primary
+
     def wait_failover(self, old_port: int, timeout: float = 30.0) -> float:
         """Seconds until the sentinels name a new primary that answers."""
         started = time.monotonic()

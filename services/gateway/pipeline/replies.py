@@ -36,7 +36,7 @@ from shared.messages import SCHEMA_VERSION, ReplyBatch, TokenEvent
 log = logging.getLogger(__name__)
 LOST_CONNECTION = "lost the connection to Redis"
 RESUME = "resume"  # error_type of the event that tells a request to re-submit itself
-MAX_BACKOFF_S = 2.0
+MAX_BACKOFF_S = 1.0  # a failover takes seconds: retry often enough to follow it
 
 
 @dataclass
