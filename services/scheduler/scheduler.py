@@ -21,8 +21,10 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
-from services.scheduler.block_manager import BlockManager, block_hashes
+from services.scheduler.attempts import LaterAttempts
+from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig, StepCounters
+from services.scheduler.prefix_cache import cached_prefix, register_planned_blocks
 from services.scheduler.request import RequestStatus, SchedRequest
 from shared.messages import (
     GenerateRequest,
@@ -54,8 +56,7 @@ class Scheduler:
         self._step_requests: dict[int, list[tuple[str, bool, int]]] = {}
         # plans awaiting their result: the blocks each registered in the prefix cache
         self._step_blocks: dict[int, list[int]] = {}
-        # later attempts of ended requests, added once no step in flight names their id
-        self._replacements: dict[str, tuple[GenerateRequest, bytes, str]] = {}
+        self._later_attempts = LaterAttempts()  # re-submissions waiting for a step in flight
 
     # --- inputs --------------------------------------------------------------------------
 
@@ -64,29 +65,25 @@ class Scheduler:
         return len(self.requests)
 
     def add(self, message: GenerateRequest, entry_id: bytes, stream: str = "") -> bool:
-        """A request pulled from the stream; False when one of that id and no lower attempt is
-        held already (a redelivery, or a stale copy): the caller acknowledges the entry. A
-        later attempt (the gateway re-submitted it, having lost some of its tokens) replaces
-        the held one, once no step in flight names the id."""
+        """A request pulled from the stream; False when it is no later an attempt than the one
+        held (a redelivery, or a stale copy): the caller acknowledges the entry. A later
+        attempt replaces the held one (services/scheduler/attempts.py)."""
         held = self.requests.get(message.request_id)
-        stashed = self._replacements.get(message.request_id)
-        if held is not None and held.message.attempt >= message.attempt:
+        if self._later_attempts.refuses(message, held.message.attempt if held else None):
             return False
-        if stashed is not None and stashed[0].attempt >= message.attempt:
-            return False
+        if held is None and message.request_id not in self._later_attempts:
+            self._add_new(message, entry_id, stream)
+            return True
         if held is not None:
             self._end(held, RequestStatus.ABORTED)
-        if held is not None or message.request_id in self._replacements:
-            self._replacements[message.request_id] = (message, entry_id, stream)
-            self._add_replacements()
-            return True
-        self._add_new(message, entry_id, stream)
+        self._later_attempts.wait((message, entry_id, stream))
+        self._add_later_attempts()
         return True
 
-    def _add_replacements(self) -> None:
+    def _add_later_attempts(self) -> None:
         in_flight = {rid for step in self._step_requests.values() for rid, _, _ in step}
-        for request_id in [r for r in self._replacements if r not in in_flight]:
-            self._add_new(*self._replacements.pop(request_id))
+        for pulled in self._later_attempts.ready(in_flight):
+            self._add_new(*pulled)
 
     def _add_new(self, message: GenerateRequest, entry_id: bytes, stream: str) -> None:
         request = SchedRequest.from_message(message, entry_id, self._num_arrivals, stream)
@@ -98,9 +95,9 @@ class Scheduler:
     def abort(self, request_id: str, below_attempt: int = 0) -> bool:
         """Drop a request the gateway no longer wants (only if its attempt is below
         `below_attempt`, unless that is 0); False if there is none such here."""
-        stashed = self._replacements.get(request_id)
-        if stashed is not None and (below_attempt == 0 or stashed[0].attempt < below_attempt):
-            self._add_new(*self._replacements.pop(request_id))  # ended below: acknowledged
+        waiting = self._later_attempts.take_below(request_id, below_attempt)
+        if waiting is not None:
+            self._add_new(*waiting)  # ended below, so its entry is acknowledged
         request = self.requests.get(request_id)
         if request is None or (below_attempt and request.message.attempt >= below_attempt):
             return False
@@ -117,8 +114,8 @@ class Scheduler:
     def update(self, result: StepResult) -> None:
         """Apply the worker's answer to a plan."""
         self._apply(result)
-        if self._replacements:
-            self._add_replacements()
+        if self._later_attempts:
+            self._add_later_attempts()
 
     def _apply(self, result: StepResult) -> None:
         scheduled = self._step_requests.pop(result.step_id, [])
@@ -227,7 +224,7 @@ class Scheduler:
             if adapter and cap and adapter not in adapters and len(adapters) >= cap:
                 index += 1  # every adapter slot is taken: later requests may fit (vLLM's rule)
                 continue
-            cached = self._cached_prefix(request)
+            cached = cached_prefix(self.blocks, request, self.config.enable_prefix_caching)
             num_cached = len(cached) * self.blocks.block_size
             num_tokens = min(len(request.token_ids) - num_cached, budget)
             num_blocks = self.blocks.num_missing_blocks(num_cached + num_tokens, len(cached))
@@ -251,38 +248,6 @@ class Scheduler:
                 self.counters.num_joined_running += 1
             scheduled.append((request, num_tokens, request.block_ids))
             budget -= num_tokens
-
-    def _cached_prefix(self, request: SchedRequest) -> list[int]:
-        """Cached blocks of the request's leading full blocks (a reference taken on each). At
-        least one token is always left to compute: its logits give the next token."""
-        if not self.config.enable_prefix_caching or request.message.sampling.prefill_logprobs:
-            return []
-        num_full = (len(request.token_ids) - 1) // self.blocks.block_size
-        if num_full == 0:
-            return []
-        hashes = block_hashes(
-            request.token_ids, self.blocks.block_size, num_full, request.adapter_id
-        )
-        return self.blocks.cached_prefix(hashes)
-
-    def _register_planned_blocks(self, request: SchedRequest) -> list[int]:
-        """Put the request's full blocks that the step being planned computes in the prefix
-        cache (the blocks registered). A request planned later may take them at once: the
-        worker runs steps in plan order, and within a step writes every token's keys before
-        any attention reads them. vLLM caches blocks at scheduling time too; a long shared
-        prompt is then computed once even when its requests arrive together."""
-        num_full = request.num_computed_tokens // self.blocks.block_size
-        if num_full <= request.num_hashed_blocks or not self.config.enable_prefix_caching:
-            return []
-        hashes = block_hashes(
-            request.token_ids, self.blocks.block_size, num_full, request.adapter_id
-        )
-        registered = []
-        for index in range(request.num_hashed_blocks, num_full):
-            if self.blocks.register(request.block_ids[index], hashes[index]):
-                registered.append(request.block_ids[index])
-        request.num_hashed_blocks = num_full
-        return registered
 
     def _forget_blocks(self, block_ids: list[int], error: str) -> None:
         """A failed step's blocks hold nothing: drop them from the prefix cache, and fail the
@@ -369,7 +334,9 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
             request.num_inflight_samples += samples
             step_requests.append((request.request_id, samples, request.num_computed_tokens))
-            registered.extend(self._register_planned_blocks(request))
+            registered.extend(
+                register_planned_blocks(self.blocks, request, self.config.enable_prefix_caching)
+            )
         if num_decodes and num_prefill_tokens:
             self.counters.num_mixed_steps += 1
         self.counters.num_steps += 1
