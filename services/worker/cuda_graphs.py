@@ -104,6 +104,7 @@ class CudaPaged(TransformersPaged):
         self.sizes = sorted(set(sizes))  # batch sizes with a graph (empty: always eager)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.static: dict[str, torch.Tensor] = {}
+        self.spare_slot = 0  # the first slot of the spare block (set with the buffers)
         self.flash = flash  # flash-attn is installed: it attends the eager steps
         self.graph_steps = 0  # steps replayed from a graph (the rest ran eagerly)
         self.name = flash_attention.FLASH_ATTN if flash else TRITON
@@ -170,11 +171,11 @@ class CudaPaged(TransformersPaged):
         staged = torch.tensor(lens + table, dtype=torch.int32).to(self.device)
         static["row_lens"][:size].copy_(staged[:size])
         static["block_tables"][:num_rows, :max_blocks].copy_(staged[size:].view(num_rows, -1))
-        static["block_tables"][num_rows:size].fill_(int(static["spare_block"]))
+        static["block_tables"][num_rows:size].fill_(self.spare_slot // block_size)
         static["input_ids"][0, :num_rows].copy_(batch.input_ids[0])
         static["position_ids"][0, :num_rows].copy_(batch.position_ids[0])
         static["slot_mapping"][:num_rows].copy_(batch.slot_mapping)
-        static["slot_mapping"][num_rows:size].fill_(int(static["spare_slot"]))
+        static["slot_mapping"][num_rows:size].fill_(self.spare_slot)
 
     def allocate_static(self, kv_cache: PagedKVCache, max_model_len: int) -> None:
         """The graphs' input buffers, sized for the largest graph, padding rows on the spare
@@ -195,9 +196,8 @@ class CudaPaged(TransformersPaged):
             "rows": torch.arange(largest, dtype=torch.int32, device=device),
             "row_lens": int_buffer(largest, fill=1),
             "block_tables": int_buffer(largest, max_blocks, fill=spare_block),
-            "spare_block": torch.tensor(spare_block),
-            "spare_slot": torch.tensor(spare_block * block_size),
         }
+        self.spare_slot = spare_block * block_size
 
     def capture(self, kv_cache: PagedKVCache, max_model_len: int) -> None:
         """One graph per size, largest first, sharing one memory pool."""
@@ -265,7 +265,7 @@ class CudaPaged(TransformersPaged):
         """Mean seconds of one replay of the `size`-row graph alone (no step around it), its
         rows writing the spare block: the forward pass's own time on the device."""
         static = self.static
-        static["slot_mapping"][:size].fill_(int(static["spare_slot"]))
+        static["slot_mapping"][:size].fill_(self.spare_slot)
         graph, _ = self.graphs[size]
         graph.replay()
         torch.cuda.synchronize(self.device)
