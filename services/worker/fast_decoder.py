@@ -31,6 +31,7 @@ embeddings, norms and rotary embedding afterwards.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,7 @@ from services.worker import dense_prefill, kernels
 from services.worker.dense_prefill import AttentionSplit, attend_dense
 from services.worker.kv_cache import PagedKVCache
 from services.worker.lora import LoraOp, LoraSet
+from services.worker.packed_linear import PackedLinear, pack
 
 log = logging.getLogger(__name__)
 
@@ -78,41 +80,6 @@ class StepTables:
             slot_mapping=slot_mapping,
             split=AttentionSplit.of(query_start, context_lens, tables, starts, lens),
         )
-
-
-class PackedLinear:
-    """y = x W^T + b on a weight packed once for oneDNN (bfloat16 and float32 matmuls
-    otherwise re-pack it at every call, which costs as much as the product at small batch).
-    Outputs equal F.linear's in bfloat16; in float32 they may differ in the last bits."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.out_features, self.in_features = weight.shape
-        self.bias = bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [num_rows, in] -> [num_rows, out]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
-
-
-def _concat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
-    biases = [linear.bias for linear in linears]
-    if all(bias is None for bias in biases):
-        return None
-    return torch.cat(
-        [
-            bias.detach() if bias is not None else linear.weight.new_zeros(linear.out_features)
-            for bias, linear in zip(biases, linears, strict=True)
-        ]
-    )
-
-
-def _pack(*linears: torch.nn.Linear) -> PackedLinear:
-    """One packed matmul for linears that read the same input; their weights are released."""
-    weight = torch.cat([linear.weight.detach() for linear in linears])
-    packed = PackedLinear(weight, _concat_bias(*linears))
-    for linear in linears:
-        linear.weight = torch.nn.Parameter(linear.weight.new_empty(0), requires_grad=False)
-    return packed
 
 
 @dataclass
@@ -185,7 +152,7 @@ class FastDecoder:
         ]
         # long prompt chunks attend with torch's fused attention where it runs this dtype
         self.is_dense_supported = dense_prefill.is_supported(self.embed.dtype)
-        self.lm_head = PackedLinear(model.get_output_embeddings().weight.detach())
+        self.lm_head = PackedLinear(model.get_output_embeddings().weight.detach(), ops=ops)
         head = model.get_output_embeddings()
         if head.weight.data_ptr() != self.embed.data_ptr():  # untied: release the copy
             head.weight = torch.nn.Parameter(head.weight.new_empty(0), requires_grad=False)
@@ -264,11 +231,11 @@ class FastDecoder:
             window = getattr(config, "sliding_window", None)
         return Layer(
             input_norm=layer.input_layernorm.weight.detach(),
-            qkv=_pack(attention.q_proj, attention.k_proj, attention.v_proj),
-            o=_pack(attention.o_proj),
+            qkv=pack(self.ops, attention.q_proj, attention.k_proj, attention.v_proj),
+            o=pack(self.ops, attention.o_proj),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=_pack(mlp.gate_proj, mlp.up_proj),
-            down=_pack(mlp.down_proj),
+            gate_up=pack(self.ops, mlp.gate_proj, mlp.up_proj),
+            down=pack(self.ops, mlp.down_proj),
             sliding_window=window,
             scaling=attention.scaling,
         )
@@ -335,9 +302,14 @@ def build(
         log.info("fast CPU decoder not used: %s", reason)
         return None
     decoder = FastDecoder(model, ops)
+    linears = [decoder.lm_head]
+    for layer in decoder.layers:
+        linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
+    kinds = Counter(linear.kind for linear in linears)
     log.info(
-        "fast CPU decoder: %d layers, %s, matmuls on packed weights",
+        "fast CPU decoder: %d layers, %s, matmuls on packed weights (%s)",
         len(decoder.layers),
         model.dtype,
+        ", ".join(f"{kind} {count}" for kind, count in sorted(kinds.items())),
     )
     return decoder

@@ -39,6 +39,7 @@ def test_the_library_is_built_once_and_reused(ops):
 
 
 AVX512_HOST = "flags : fpu sse2 avx avx2 fma avx512f avx512bw avx512vl avx512_bf16"
+AMX_HOST = AVX512_HOST + " amx_tile amx_bf16 amx_int8"
 AVX2_HOST = "flags : fpu sse2 avx avx2 fma f16c"
 
 
@@ -51,6 +52,11 @@ AVX2_HOST = "flags : fpu sse2 avx avx2 fma f16c"
         (AVX512_HOST, "default", "default"),
         (AVX512_HOST, "avx512_bf16", "avx512"),
         (AVX512_HOST, "nonsense", "avx512"),  # unknown: ignored, as torch ignores it
+        (AVX512_HOST, "amx", "avx512"),
+        (AMX_HOST, None, "amx"),
+        (AMX_HOST, "avx512", "avx512"),  # the AVX512 path of an AMX host: no tiles
+        (AMX_HOST, "avx512_bf16", "avx512"),
+        (AMX_HOST, "avx2", "avx2"),
         (AVX2_HOST, None, "avx2"),
         (AVX2_HOST, "avx512", "avx2"),  # never above what the CPU has
         (AVX2_HOST, "default", "default"),

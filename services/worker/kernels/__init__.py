@@ -28,18 +28,21 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("cpu_kernels.c", "cpu_kernels.inc", "lora.inc")
+SOURCES = ("cpu_kernels.c", "cpu_kernels.inc", "lora.inc", "amx_linear.inc")
 FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 CAPABILITY_ENV = "ATEN_CPU_CAPABILITY"  # PyTorch's name: one switch for torch and for us
 # x86-64 instruction sets, lowest first, and the -march that builds for each
-LEVELS = {"default": "x86-64-v2", "avx2": "x86-64-v3", "avx512": "native"}
+LEVELS = {"default": "x86-64-v2", "avx2": "x86-64-v3", "avx512": "native", "amx": "native"}
 # GCC vectorizes loops 256 bits wide on most AVX512 CPUs unless told: the element-wise kernels
-# then run ~20% slower in bfloat16 (silu_mul on 512 x 1536: 0.42 vs 0.55 ms)
-LEVEL_FLAGS = {"avx512": ["-mprefer-vector-width=512"]}
+# then run ~20% slower in bfloat16 (silu_mul on 512 x 1536: 0.42 vs 0.55 ms). The avx512
+# level of an AMX CPU leaves the tiles out (amx_linear.inc: oneDNN then does the matmuls).
+WIDE = "-mprefer-vector-width=512"
+LEVEL_FLAGS = {"avx512": [WIDE, "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"], "amx": [WIDE]}
 BUILD_TIMEOUT_S = 120
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the element types compiled
 KEY_TILE = 16  # keys the attention kernel scores at once: block sizes must be multiples
@@ -90,19 +93,19 @@ def _native_level(identity: str) -> str:
     """The highest of LEVELS this CPU has (its /proc/cpuinfo flags)."""
     flags = set(identity.split())
     if {"avx512f", "avx512bw", "avx512vl"} <= flags:
-        return "avx512"
+        return "amx" if {"amx_tile", "amx_bf16"} <= flags else "avx512"
     return "avx2" if {"avx2", "fma"} <= flags else "default"
 
 
 def capability() -> str:
     """The instruction set the kernels are built for: this CPU's best, capped by
-    ATEN_CPU_CAPABILITY (its avx512_* and amx values mean no cap; unknown values are
-    ignored). Always "native" off x86-64."""
+    ATEN_CPU_CAPABILITY (its avx512_* values mean avx512, amx means no cap; unknown values
+    are ignored). Always "native" off x86-64."""
     if platform.machine() != "x86_64":
         return "native"
     native = _native_level(_cpu_identity())
     requested = os.environ.get(CAPABILITY_ENV, "").strip().lower()
-    requested = "avx512" if requested.startswith(("avx512", "amx")) else requested
+    requested = "avx512" if requested.startswith("avx512") else requested
     if requested not in LEVELS:
         return native
     order = list(LEVELS)
@@ -191,6 +194,13 @@ class CpuKernels:
                 function.argtypes = argtypes
                 function.restype = None
                 self._functions[name, dtype] = function
+        self._amx_linear = library.amx_linear_bf16
+        self._amx_linear.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64]
+        self._amx_linear.argtypes.append(ctypes.c_int)
+        self._amx_linear.restype = None
+        library.amx_ready.restype = ctypes.c_int
+        # bfloat16 matmuls on AMX tiles: built in (the amx level) and granted by the kernel
+        self.has_amx: bool = bool(library.amx_ready())
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -341,6 +351,38 @@ class CpuKernels:
             block_size,
             scale,
             sliding_window or 0,
+            torch.get_num_threads(),
+        )
+        return out
+
+    @staticmethod
+    def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+        """A bfloat16 weight [n, k] (k a multiple of 32) in amx_linear's layout: panels of 16
+        output columns (n padded with zeros to 32), each [k / 32, 16, 16, 2]."""
+        n, k = weight.shape
+        padded = F.pad(weight, (0, 0, 0, -n % 32))
+        return padded.view(-1, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+    def amx_linear(
+        self,
+        x: torch.Tensor,  # [num_rows, k] bfloat16, rows may be strided
+        packed: torch.Tensor,  # amx_pack(weight)
+        bias: torch.Tensor | None,  # [n]
+        n: int,
+    ) -> torch.Tensor:
+        """x W^T (+ bias) on AMX tiles. [num_rows, n]"""
+        num_rows, k = x.shape
+        out = x.new_empty(num_rows, n)
+        self._amx_linear(
+            x.data_ptr(),
+            x.stride(0),
+            packed.data_ptr(),
+            _address(bias),
+            out.data_ptr(),
+            n,
+            num_rows,
+            n,
+            k,
             torch.get_num_threads(),
         )
         return out

@@ -21,6 +21,11 @@
  * regions use torch's own thread team (a second team would fight it for the cores). */
 
 #include <math.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -117,3 +122,10 @@ static inline float exp_clamped(float x) {
 #define LOAD16(p) load16_bf16(p)
 #include "cpu_kernels.inc"
 #include "lora.inc"
+#undef T
+#undef SUFFIX
+#undef LOAD
+#undef STORE
+#undef LOAD16
+
+#include "amx_linear.inc"

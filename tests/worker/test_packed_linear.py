@@ -1,0 +1,72 @@
+"""The fast decoder's linear layers (services/worker/packed_linear.py) against F.linear, on
+whichever matmul this host gives them: AMX tiles for bfloat16 where the kernels were built for
+them (the amx level), oneDNN otherwise (any AVX2 or AVX512 host, and the suite's
+ATEN_CPU_CAPABILITY=avx512 or avx2 runs of an AMX host)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.worker import kernels
+from services.worker.packed_linear import PackedLinear, pack
+
+
+@pytest.fixture(scope="module")
+def ops() -> kernels.CpuKernels:
+    built = kernels.load()
+    assert built is not None, "the CPU kernels did not build (is a C compiler installed?)"
+    return built
+
+
+def test_the_amx_matmul_runs_exactly_where_the_kernels_were_built_for_it(ops):
+    assert ops.has_amx == (ops.level == "amx")
+    bf16 = PackedLinear(torch.zeros(64, 64, dtype=torch.bfloat16), ops=ops)
+    assert bf16.kind == ("amx" if ops.level == "amx" else "onednn")
+    # float32, and K that is not a multiple of 32, stay on oneDNN everywhere
+    assert PackedLinear(torch.zeros(64, 64), ops=ops).kind == "onednn"
+    assert PackedLinear(torch.zeros(64, 48, dtype=torch.bfloat16), ops=ops).kind == "onednn"
+    assert PackedLinear(torch.zeros(64, 64, dtype=torch.bfloat16)).kind == "onednn"
+
+
+@pytest.mark.parametrize("num_rows", [1, 7, 16, 17, 32])
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (64, 48), (96, 80), (1536, 576)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_bfloat16_outputs_equal_f_linear_at_decode_batch_sizes(ops, num_rows, k, n, has_bias):
+    """Up to 32 rows both matmuls sum K in the order F.linear does: bit-equal outputs, for
+    any N (padded to the kernel's 32 columns) and with a bias."""
+    generator = torch.Generator().manual_seed(num_rows * 1000 + n)
+    weight = (torch.randn(n, k, generator=generator) * 0.05).bfloat16()
+    bias = torch.randn(n, generator=generator).bfloat16() if has_bias else None
+    x = torch.randn(num_rows + 3, k, generator=generator).bfloat16()[3:]  # not at offset 0
+    got = PackedLinear(weight, bias, ops)(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (num_rows, n)
+    assert torch.equal(got, F.linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("num_rows", [33, 64, 300])
+def test_bfloat16_prompt_rows_differ_from_f_linear_by_rounding_only(ops, num_rows):
+    """Past 32 rows oneDNN blocks its sums otherwise: a few outputs in 10^4 move by about an
+    ulp."""
+    generator = torch.Generator().manual_seed(num_rows)
+    weight = (torch.randn(960, 576, generator=generator) * 0.05).bfloat16()
+    x = torch.randn(num_rows, 576, generator=generator).bfloat16()
+    got, expected = PackedLinear(weight, None, ops)(x), F.linear(x, weight)
+    # an ulp of the output, or where the terms cancel, float32 rounding of their magnitude
+    magnitude = x.float().abs() @ weight.float().abs().T
+    bound = torch.finfo(torch.bfloat16).eps * expected.float().abs() + 2**-16 * magnitude
+    assert bool(((got.float() - expected.float()).abs() <= bound).all())
+    assert (got != expected).float().mean().item() < 1e-3
+
+
+def test_pack_fuses_linears_that_read_one_input_and_releases_their_weights(ops):
+    torch.manual_seed(0)
+    q = torch.nn.Linear(64, 64, bias=True).bfloat16()
+    v = torch.nn.Linear(64, 32, bias=False).bfloat16()
+    x = torch.randn(5, 64).bfloat16()
+    expected = torch.cat([q(x), v(x)], dim=1)
+    fused = pack(ops, q, v)
+    assert fused.out_features == 96 and fused.in_features == 64
+    assert torch.equal(fused(x), expected)
+    assert q.weight.numel() == 0 and v.weight.numel() == 0
