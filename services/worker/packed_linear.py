@@ -19,6 +19,10 @@ import torch
 from services.worker import kernels
 
 AMX_K_MULTIPLE = 32  # the AMX kernel's K steps: other widths stay on oneDNN
+# rows up to which the AMX kernel beats oneDNN (SmolLM2-135M's four matmuls on 2 cores: 9.5 vs
+# 14.5 ms at 32 rows, 75 vs 103 at 512, 245 vs 168 at 2048); longer prompt chunks unpack the
+# weight for oneDNN's matmul (~15% of that matmul's time)
+AMX_MAX_ROWS = 512
 
 
 class PackedLinear:
@@ -40,8 +44,11 @@ class PackedLinear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ops is not None:
+        if self.ops is not None and x.shape[0] <= AMX_MAX_ROWS:
             return self.ops.amx_linear(x, self.packed, self.bias, self.out_features)
+        if self.ops is not None:
+            weight = self.ops.amx_unpack(self.packed, self.out_features, self.in_features)
+            return torch.nn.functional.linear(x, weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
 
 

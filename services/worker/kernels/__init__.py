@@ -199,6 +199,9 @@ class CpuKernels:
         self._amx_linear.argtypes.append(ctypes.c_int)
         self._amx_linear.restype = None
         library.amx_ready.restype = ctypes.c_int
+        self._amx_unpack = library.amx_unpack_bf16
+        self._amx_unpack.argtypes = [_ptr, _ptr, _i64, _i64, ctypes.c_int]
+        self._amx_unpack.restype = None
         # bfloat16 matmuls on AMX tiles: built in (the amx level) and granted by the kernel
         self.has_amx: bool = bool(library.amx_ready())
 
@@ -362,6 +365,12 @@ class CpuKernels:
         n, k = weight.shape
         padded = F.pad(weight, (0, 0, 0, -n % 32))
         return padded.view(-1, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+    def amx_unpack(self, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """The weight [n, k] that amx_pack packed."""
+        weight = packed.new_empty(n, k)
+        self._amx_unpack(packed.data_ptr(), weight.data_ptr(), n, k, torch.get_num_threads())
+        return weight
 
     def amx_linear(
         self,
