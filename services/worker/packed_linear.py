@@ -1,15 +1,16 @@
 """The fast decoder's linear layers (services/worker/fast_decoder.py): weights packed once at
 load for whichever matmul runs them fastest here.
 
-- bfloat16 on a CPU with AMX (and K a multiple of 32): textgen's AMX kernel
-  (services/worker/kernels/amx_linear.inc). Decode steps are bound by the weights' stream;
-  oneDNN streams them at ~16 GB/s at decode batch sizes, this kernel at ~21-25.
-- otherwise oneDNN's matmul on its own packed layout (bfloat16 and float32 matmuls otherwise
-  re-pack the weight at every call, which costs as much as the product at small batch).
+A decode step is bound by the stream of its weights: every one is read once per step. At
+decode batch sizes oneDNN's packed bfloat16 matmul streams them at ~16 GB/s on two cores that
+read 28 GB/s, so on CPUs with AMX textgen runs its own (services/worker/kernels/matmul.py,
+~21-25 GB/s). Elsewhere, in float32, and for K it does not take, oneDNN's matmul on its packed
+layout runs (bfloat16 and float32 matmuls otherwise re-pack the weight at every call, which
+costs as much as the product at small batch).
 
-Outputs equal F.linear's in bfloat16 (on AMX for up to 32 rows; past that a few in 10^4
-differ by an ulp, as oneDNN blocks larger products differently); in float32 they may differ in
-the last bits.
+Rounding: bfloat16 outputs equal F.linear's (on AMX up to 32 rows; past that a few in 10^4
+differ by an ulp, as oneDNN blocks larger products otherwise); float32 ones may differ in the
+last bits.
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ import torch
 
 from services.worker import kernels
 
-AMX_K_MULTIPLE = 32  # the AMX kernel's K steps: other widths stay on oneDNN
-# rows up to which the AMX kernel beats oneDNN (SmolLM2-135M's four matmuls on 2 cores: 9.5 vs
-# 14.5 ms at 32 rows, 75 vs 103 at 512, 245 vs 168 at 2048); longer prompt chunks unpack the
-# weight for oneDNN's matmul (~15% of that matmul's time)
+# rows up to which the AMX kernel beats oneDNN (SmolLM2-135M's four matmuls on 2 cores, bfloat16:
+# 9.5 vs 14.5 ms at 32 rows, 75 vs 103 at 512, 245 vs 168 at 2048); longer prompt chunks
+# unpack the weight for oneDNN's matmul (~15% of that matmul's time)
 AMX_MAX_ROWS = 512
 
 
@@ -32,29 +32,25 @@ class PackedLinear:
         self,
         weight: torch.Tensor,  # [out_features, in_features]
         bias: torch.Tensor | None = None,  # [out_features]
-        ops: kernels.CpuKernels | None = None,  # the CPU kernels, for the AMX matmul
+        ops: kernels.CpuKernels | None = None,  # the CPU kernels, for their matmuls
     ) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
-        self.ops = ops if ops is not None and uses_amx(weight, ops) else None
-        self.kind = "amx" if self.ops is not None else "onednn"  # the matmul that runs it
-        if self.ops is not None:
-            self.packed = self.ops.amx_pack(weight.contiguous())
+        matmul = ops.matmul if ops is not None else None
+        self.amx = matmul if matmul is not None and matmul.takes(weight) else None
+        self.kind = "amx" if self.amx is not None else "onednn"  # the matmul that runs it
+        if self.amx is not None:
+            self.packed = self.amx.pack(weight.contiguous())
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ops is not None and x.shape[0] <= AMX_MAX_ROWS:
-            return self.ops.amx_linear(x, self.packed, self.bias, self.out_features)
-        if self.ops is not None:
-            weight = self.ops.amx_unpack(self.packed, self.out_features, self.in_features)
-            return torch.nn.functional.linear(x, weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
-
-
-def uses_amx(weight: torch.Tensor, ops: kernels.CpuKernels) -> bool:
-    """Whether the AMX kernel takes this weight: bfloat16, K a multiple of 32, AMX here."""
-    return ops.has_amx and weight.dtype == torch.bfloat16 and weight.shape[1] % AMX_K_MULTIPLE == 0
+        if self.amx is None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
+        if x.shape[0] <= AMX_MAX_ROWS:
+            return self.amx.linear(x, self.packed, self.bias, self.out_features)
+        weight = self.amx.unpack(self.packed, self.out_features, self.in_features)
+        return torch.nn.functional.linear(x, weight, self.bias)
 
 
 def _concat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:

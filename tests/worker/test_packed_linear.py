@@ -21,7 +21,7 @@ def ops() -> kernels.CpuKernels:
 
 
 def test_the_amx_matmul_runs_exactly_where_the_kernels_were_built_for_it(ops):
-    assert ops.has_amx == (ops.level == "amx")
+    assert ops.matmul.has_amx == (ops.level == "amx")
     bf16 = PackedLinear(torch.zeros(64, 64, dtype=torch.bfloat16), ops=ops)
     assert bf16.kind == ("amx" if ops.level == "amx" else "onednn")
     # float32, and K that is not a multiple of 32, stay on oneDNN everywhere

@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+from services.worker.kernels.matmul import MatmulKernels
 
 log = logging.getLogger(__name__)
 
@@ -194,16 +195,8 @@ class CpuKernels:
                 function.argtypes = argtypes
                 function.restype = None
                 self._functions[name, dtype] = function
-        self._amx_linear = library.amx_linear_bf16
-        self._amx_linear.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64]
-        self._amx_linear.argtypes.append(ctypes.c_int)
-        self._amx_linear.restype = None
-        library.amx_ready.restype = ctypes.c_int
-        self._amx_unpack = library.amx_unpack_bf16
-        self._amx_unpack.argtypes = [_ptr, _ptr, _i64, _i64, ctypes.c_int]
-        self._amx_unpack.restype = None
-        # bfloat16 matmuls on AMX tiles: built in (the amx level) and granted by the kernel
-        self.has_amx: bool = bool(library.amx_ready())
+        # the fast decoder's own matmuls where this build has them (kernels/matmul.py)
+        self.matmul = MatmulKernels(library)
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -354,44 +347,6 @@ class CpuKernels:
             block_size,
             scale,
             sliding_window or 0,
-            torch.get_num_threads(),
-        )
-        return out
-
-    @staticmethod
-    def amx_pack(weight: torch.Tensor) -> torch.Tensor:
-        """A bfloat16 weight [n, k] (k a multiple of 32) in amx_linear's layout: panels of 16
-        output columns (n padded with zeros to 32), each [k / 32, 16, 16, 2]."""
-        n, k = weight.shape
-        padded = F.pad(weight, (0, 0, 0, -n % 32))
-        return padded.view(-1, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
-
-    def amx_unpack(self, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-        """The weight [n, k] that amx_pack packed."""
-        weight = packed.new_empty(n, k)
-        self._amx_unpack(packed.data_ptr(), weight.data_ptr(), n, k, torch.get_num_threads())
-        return weight
-
-    def amx_linear(
-        self,
-        x: torch.Tensor,  # [num_rows, k] bfloat16, rows may be strided
-        packed: torch.Tensor,  # amx_pack(weight)
-        bias: torch.Tensor | None,  # [n]
-        n: int,
-    ) -> torch.Tensor:
-        """x W^T (+ bias) on AMX tiles. [num_rows, n]"""
-        num_rows, k = x.shape
-        out = x.new_empty(num_rows, n)
-        self._amx_linear(
-            x.data_ptr(),
-            x.stride(0),
-            packed.data_ptr(),
-            _address(bias),
-            out.data_ptr(),
-            n,
-            num_rows,
-            n,
-            k,
             torch.get_num_threads(),
         )
         return out
