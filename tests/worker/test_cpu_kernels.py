@@ -20,13 +20,6 @@ from services.worker import kernels
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(scope="module")
-def ops() -> kernels.CpuKernels:
-    built = kernels.load()
-    assert built is not None, "the CPU kernels did not build (is a C compiler installed?)"
-    return built
-
-
 def test_the_library_is_built_once_and_reused(ops):
     compiler = kernels._compiler()
     assert compiler is not None

@@ -9,15 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker import kernels
 from services.worker.packed_linear import PackedLinear, pack
-
-
-@pytest.fixture(scope="module")
-def ops() -> kernels.CpuKernels:
-    built = kernels.load()
-    assert built is not None, "the CPU kernels did not build (is a C compiler installed?)"
-    return built
 
 
 def test_the_amx_matmul_runs_exactly_where_the_kernels_were_built_for_it(ops):
