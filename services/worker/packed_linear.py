@@ -9,7 +9,7 @@ layout runs (bfloat16 and float32 matmuls otherwise re-pack the weight at every 
 costs as much as the product at small batch).
 
 Rounding: bfloat16 outputs equal F.linear's (on AMX up to 32 rows; past that a few in 10^4
-differ by an ulp, as oneDNN blocks larger products otherwise); float32 ones may differ in the
+differ by rounding, as oneDNN blocks larger products otherwise); float32 ones may differ in the
 last bits.
 """
 
@@ -38,11 +38,15 @@ class PackedLinear:
         self.bias = bias
         matmul = ops.matmul if ops is not None else None
         self.amx = matmul if matmul is not None and matmul.takes(weight) else None
-        self.kind = "amx" if self.amx is not None else "onednn"  # the matmul that runs it
         if self.amx is not None:
             self.packed = self.amx.pack(weight.contiguous())
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
+
+    @property
+    def kind(self) -> str:
+        """The matmul that runs it: amx or onednn."""
+        return "onednn" if self.amx is None else "amx"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.amx is None:

@@ -21,7 +21,9 @@
  * regions use torch's own thread team (a second team would fight it for the cores). */
 
 #include <math.h>
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* the AMX matmul (amx_linear.inc): its tiles, and AVX512-BF16 for its rounding */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define HAS_AMX_LINEAR 1
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
