@@ -35,6 +35,7 @@ from services.gateway.tgi.validation import Limits
 from shared.adapters import startup_refs
 from shared.bus import client_for, redact_url
 from shared.channels import Channels
+from shared.master_watch import MasterWatch
 from shared.model_files import TOKENIZER_FILES, context_length, resolve_model_dir
 from shared.settings import Settings
 
@@ -89,11 +90,15 @@ def create_app(settings: Settings) -> FastAPI:
         # every request in flight may hold a connection at once (its XADD, then its abort)
         pool = state.client.connection_pool
         pool.max_connections = max(pool.max_connections, 2 * settings.max_concurrent_requests + 16)
+        master = MasterWatch.for_settings(
+            settings, [state.client], on_switch=state.metrics.redis_master_switched
+        ).start()
         state.router = ReplyRouter(
             state.client,
             state.channels.reply(state.gateway_id),
             resume=settings.redis_resume_timeout > 0,
             on_epoch_change=state.metrics.redis_epoch_changed,
+            master=master,
         )
         state.generator = Generator(
             state.client,
@@ -129,6 +134,7 @@ def create_app(settings: Settings) -> FastAPI:
                 registering.cancel()
             await state.generator.drain()
             await state.router.stop()
+            await master.stop()
             await state.client.aclose()
 
     app = FastAPI(title="textgen", version=state.version, lifespan=lifespan)

@@ -37,6 +37,7 @@ class GatewayMetrics:
         self.num_resumed_requests = 0  # re-submitted after Redis lost their token events
         self.num_unreplicated = 0  # accepted before --redis-wait-replicas replicas had them
         self.num_redis_epoch_changes = 0  # Redis restarted or failed over under this gateway
+        self.num_redis_master_switches = 0  # new masters the sentinels named (shared/master_watch)
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
             return Histogram(name, doc, buckets=buckets, registry=self.registry)
@@ -119,6 +120,9 @@ class GatewayMetrics:
     def redis_epoch_changed(self) -> None:
         self.num_redis_epoch_changes += 1
 
+    def redis_master_switched(self) -> None:
+        self.num_redis_master_switches += 1
+
     def render(self) -> bytes:
         lines = [
             "# HELP tgi_request_count requests entering a generation handler",
@@ -178,5 +182,9 @@ class GatewayMetrics:
             "failed over (a new run_id or replication id) when it subscribed again",
             "# TYPE textgen_redis_epoch_changes counter",
             f"textgen_redis_epoch_changes {self.num_redis_epoch_changes}",
+            "# HELP textgen_redis_master_switches times the sentinels named a new Redis master "
+            "while this gateway watched them (it then left the old primary at once)",
+            "# TYPE textgen_redis_master_switches counter",
+            f"textgen_redis_master_switches {self.num_redis_master_switches}",
         ]
         return ("\n".join(lines) + "\n").encode() + generate_latest(self.registry)

@@ -14,14 +14,23 @@ import redis.asyncio as aioredis
 from shared.bus import REDIS_ERRORS
 from shared.channels import Channels
 from shared.codec import decode
+from shared.master_watch import MasterWatch, address_of
 from shared.messages import AbortRequest
 
 log = logging.getLogger(__name__)
 
 
 class AbortListener:
-    def __init__(self, redis: aioredis.Redis, channels: Channels, memory_s: float) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        channels: Channels,
+        memory_s: float,
+        master: MasterWatch | None = None,
+    ) -> None:
         self.redis = redis
+        # the sentinels' master: gateways publish there, so the subscription follows it
+        self.master = master or MasterWatch(None, "")
         self.channels = channels
         self.memory_s = memory_s  # how long an abort is remembered (the request timeout)
         # request_id -> (unix s heard, below_attempt: 0 covers every attempt)
@@ -41,15 +50,20 @@ class AbortListener:
         return [(request_id, below) for request_id, (_, below) in self.heard.items()]
 
     async def run(self) -> None:
-        """Background: listen; resubscribe with backoff after a Redis outage."""
+        """Background: listen; resubscribe with backoff after a Redis outage, and on the new
+        master once the sentinels name one."""
         backoff = 0.25
         while True:
             pubsub = self.redis.pubsub()
             try:
+                seen = self.master.num_switches
                 await pubsub.subscribe(self.channels.aborts)
+                address = address_of(pubsub.connection)
                 backoff = 0.25
-                async for message in pubsub.listen():
-                    if message.get("type") == "message":
+                while True:
+                    seen = self.master.check(seen, address)
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
+                    if message is not None and message["type"] == "message":
                         self.hear(message["data"])
             except REDIS_ERRORS as exc:
                 log.warning("abort channel lost (%s); resubscribing in %.2f s", exc, backoff)

@@ -77,3 +77,8 @@ class SchedulerMetrics:
         self.handed_back = Counter(
             "textgen_scheduler_handed_back", "unfinished requests requeued at shutdown", registry=r
         )
+        self.master_switches = Counter(
+            "textgen_scheduler_redis_master_switches",
+            "new Redis masters the sentinels named; each ended the session on the old primary",
+            registry=r,
+        )

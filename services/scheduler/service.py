@@ -28,6 +28,7 @@ from services.scheduler.steps import StepChannel
 from shared.bus import REDIS_ERRORS, get_message
 from shared.channels import Channels
 from shared.codec import decode, encode
+from shared.master_watch import Address, MasterWatch
 from shared.messages import (
     ReplyBatch,
     TokenEvent,
@@ -63,9 +64,13 @@ class SchedulerService:
         self.group = settings.group
         self.consumer = f"{settings.group}-{uuid.uuid4().hex[:8]}"
         self.metrics = SchedulerMetrics()
+        # a new master named by the sentinels ends the session as a lost Redis does
+        self.master = MasterWatch.for_settings(settings, [redis], self.metrics.master_switches.inc)
+        self._master_seen = 0  # master.num_switches when the session started (or checked)
+        self._session_master: Address | None = None  # the master it started on (sentinels)
         self.tracer = tracer("textgen.scheduler")
         self.scheduler: Scheduler | None = None
-        self.aborts = AbortListener(redis, self.channels, settings.request_timeout)
+        self.aborts = AbortListener(redis, self.channels, settings.request_timeout, self.master)
         self.intake = RequestIntake(
             redis,
             self.channels,
@@ -103,6 +108,7 @@ class SchedulerService:
         """Sessions, one per worker lifetime, until stopped. A lost worker hands its requests
         back; a Redis outage drops the session (its requests stay pending in the stream and
         are claimed again) and retries with backoff: nothing here crashes on Redis."""
+        self.master.start()
         tasks = [
             asyncio.create_task(self.aborts.run()),
             asyncio.create_task(self._keep_fresh()),
@@ -134,6 +140,7 @@ class SchedulerService:
         finally:
             for task in tasks:
                 task.cancel()
+            await self.master.stop()
 
     async def _start_session(self, ready: WorkerReady) -> None:
         config = SchedulerConfig.for_worker(
@@ -142,8 +149,11 @@ class SchedulerService:
             self.settings.max_batch_size,
             enable_prefix_caching=not self.settings.disable_prefix_caching,
         )
+        self._master_seen = self.master.num_switches
         await self.intake.open()
         await self.steps.reset()
+        # where those commands went (a sentinel-managed pool notes the master it connects to)
+        self._session_master = getattr(self.redis.connection_pool, "master_address", None)
         self._worker = ready
         self.scheduler = Scheduler(config, clock=time.time)  # its first plan resets the worker
         await self._add(await self.intake.own_pending())
@@ -164,7 +174,9 @@ class SchedulerService:
         self.scheduler = None
 
     async def _check_worker(self, force: bool = False) -> None:
-        """Raise WorkerLost when the group's heartbeat expired or another worker replaced it."""
+        """Raise WorkerLost when the group's heartbeat expired or another worker replaced it;
+        MasterMoved when the sentinels named another Redis master since the session began."""
+        self._master_seen = self.master.check(self._master_seen, self._session_master)
         now = time.monotonic()
         if not force and now - self._worker_checked_at < WORKER_CHECK_INTERVAL_S:
             return

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.worker import dense_prefill, kernels
+from services.worker import dense_prefill, kernels, packed_linear
 from services.worker.dense_prefill import AttentionSplit, attend_dense
 from services.worker.kv_cache import PagedKVCache
 from services.worker.lora import LoraOp, LoraSet
@@ -112,9 +112,7 @@ def unsupported_reason(
     dtype = model.dtype
     if not kernels.CpuKernels.supports(dtype):
         return f"{dtype} is not float32 or bfloat16"
-    if not torch.backends.mkldnn.is_available() or (
-        dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    ):
+    if not packed_linear.supports(dtype):
         return f"oneDNN cannot run {dtype} matmuls here"
     decoder = getattr(model, "model", None)
     if decoder is None or not hasattr(decoder, "rotary_emb") or not hasattr(decoder, "layers"):

@@ -64,6 +64,11 @@ class WorkerMetrics:
             "waiting for the reply)",
             r,
         )
+        self.master_switches = Counter(
+            "textgen_worker_redis_master_switches",
+            "new Redis masters the sentinels named; the step link left the old primary",
+            registry=r,
+        )
         self.redis_error_replies = Counter(
             "textgen_worker_redis_error_replies",
             "writes Redis answered with an error (logged; the step went on)",

@@ -25,6 +25,14 @@ from services.worker import kernels
 AMX_MAX_ROWS = 512
 
 
+def supports(dtype: torch.dtype) -> bool:
+    """Whether this CPU runs PackedLinear in `dtype` (float32 or bfloat16): oneDNN's bfloat16
+    matmul needs AVX512 (BW, VL, DQ) or AVX-NE-CONVERT, which an AVX2-only CPU lacks."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class PackedLinear:
     """y = x W^T + b, [num_rows, in_features] -> [num_rows, out_features]."""
 
@@ -34,6 +42,8 @@ class PackedLinear:
         bias: torch.Tensor | None = None,  # [out_features]
         ops: kernels.CpuKernels | None = None,  # the CPU kernels, for their matmuls
     ) -> None:
+        if not supports(weight.dtype):
+            raise ValueError(f"oneDNN cannot run {weight.dtype} matmuls on this CPU")
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         matmul = ops.matmul if ops is not None else None

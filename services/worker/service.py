@@ -31,6 +31,7 @@ from shared.adapters import AdapterRegistry, startup_refs
 from shared.bus import FIELD, REDIS_ERRORS, entry_message, stream_fields
 from shared.channels import DEAD_LETTERS_MAXLEN, Channels
 from shared.codec import decode, encode
+from shared.master_watch import MasterWatch
 from shared.messages import AdapterRef, Heartbeat, ReplyBatch, StepPlan, WorkerReady
 from shared.settings import Settings, parse_cuda_graphs
 
@@ -59,6 +60,8 @@ class WorkerService:
         self.channels = Channels(settings.namespace)
         self.group = settings.group
         self.metrics = WorkerMetrics()
+        # a new master named by the sentinels: the step link and the heartbeat leave the old one
+        self.master = MasterWatch.for_settings(settings, [redis], self.metrics.master_switches.inc)
         self.runner = build_runner(
             loaded,
             block_size=settings.block_size,
@@ -119,11 +122,13 @@ class WorkerService:
 
     async def run(self) -> None:
         await self.announce()
+        self.master.start()
         heartbeat = asyncio.create_task(self._heartbeat_loop())
         try:
             await self._step_loop()
         finally:
             heartbeat.cancel()
+            await self.master.stop()
 
     def request_stop(self) -> None:
         """SIGTERM: keep executing the scheduler's steps until no request is held (the
@@ -156,6 +161,7 @@ class WorkerService:
             on_error_reply=self.metrics.redis_error_replies.inc,
             sentinels=self.settings.redis_sentinels,
             sentinel_master=self.settings.redis_sentinel_master,
+            master=self.master,
         )
         plans: deque[StepPlan] = deque()
         try:

@@ -12,6 +12,9 @@ for Redis between two steps:
   connections are dropped, the next write reconnects to the master the sentinels name and
   sends that batch again first (a result or event twice is harmless: the scheduler keys results
   by step, the gateway delivers each token index once).
+- a new master named by the sentinels (shared/master_watch.py; a graceful failover leaves the
+  old primary up and writable for seconds): the next read or write closes both connections
+  and raises MasterMoved, and the caller's retry reaches the new master.
 
 Two connections, since a connection blocked in XREAD runs nothing else. Plain redis-py
 connections (send a command now, read its reply later), with hiredis parsing where installed.
@@ -28,6 +31,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from shared.bus import REDIS_ERRORS, pairs_to_fields, sync_pool
+from shared.master_watch import MasterMoved, MasterWatch, address_of
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +69,7 @@ class StepLink:
         on_error_reply: Callable[[], object] | None = None,
         sentinels: str | None = None,
         sentinel_master: str = "mymaster",
+        master: MasterWatch | None = None,
     ) -> None:
         """To `url`, or with `sentinels` to the master they name (each reconnect asks them)."""
         pool = sync_pool(
@@ -86,6 +91,8 @@ class StepLink:
         self._is_demoted = False  # a refusal was read: reconnect before the next write
         self._num_untrimmed = 0  # entries read since the steps stream was last trimmed
         self._on_error_reply = on_error_reply
+        self._master = master or MasterWatch(None, "")  # read from this thread: an int
+        self._master_seen = self._master.num_switches  # its switches when last connected
 
     def has_arrived(self) -> bool:
         """Whether the reply to the XREAD that is out has arrived (reading it will not wait)."""
@@ -98,6 +105,7 @@ class StepLink:
         """The entries after the last one read: those already there, else the first to arrive
         within the XREAD's block time (an empty list when none did). The next XREAD is out
         before this returns."""
+        self._follow_master()
         try:
             if not self._is_reading:
                 self._send_read(block_ms)
@@ -130,6 +138,7 @@ class StepLink:
     def send(self, commands: list[Command]) -> None:
         """Write `commands` in one packet (after any a demoted primary refused); their replies
         are read by a later call."""
+        self._follow_master()
         try:
             self._drain()
             if self._is_demoted:
@@ -146,6 +155,22 @@ class StepLink:
         self._refused = []
         self._num_unanswered += len(batch)
         self._batches.append([batch, len(batch), False])
+
+    def _follow_master(self) -> None:
+        """Raise MasterMoved, with both connections closed, once the sentinels named another
+        master than the one the reader is on: what was sent since is the old primary's, as
+        after a lost connection."""
+        if getattr(self._reader, "_sock", None) is None:  # it connects to the current master
+            self._master_seen = self._master.num_switches
+            return
+        try:
+            self._master_seen = self._master.check(self._master_seen, address_of(self._reader))
+        except MasterMoved:
+            self._master_seen = self._master.num_switches
+            self.close()
+            self._is_reading = False
+            self._forget_unanswered()
+            raise
 
     def _forget_unanswered(self) -> None:
         self._num_unanswered = 0

@@ -211,17 +211,23 @@ def test_launch_starts_several_groups_that_all_serve(start):
     for _ in range(6):
         response = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=60)
         assert response.status_code == 200, response.text
-    queue = subprocess.run(
-        [sys.executable, "-m", "services.launcher.cli", "queue", "--redis-url", redis_url]
-        + ["--json"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "NAMESPACE": "textgen"},
-    )
-    assert queue.returncode == 0, queue.stderr
-    listed = json.loads(queue.stdout)["groups"]
+    # ready means serving: on a slow host group 1 may announce itself a little later
+    deadline = time.monotonic() + 60
+    while True:
+        queue = subprocess.run(
+            [sys.executable, "-m", "services.launcher.cli", "queue", "--redis-url", redis_url]
+            + ["--json"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "NAMESPACE": "textgen"},
+        )
+        assert queue.returncode == 0, queue.stderr
+        listed = json.loads(queue.stdout)["groups"]
+        if len(listed) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert sorted(g["group"] for g in listed) == ["0", "1"]
     assert all(g["state"] == "ok" for g in listed), listed
     for offset in range(4):  # scheduler 0, worker 0, scheduler 1, worker 1

@@ -78,6 +78,13 @@ class RedisHA:
         self.processes[port].wait(timeout=10)
         return port
 
+    def failover(self) -> int:
+        """A graceful SENTINEL FAILOVER (the old primary stays up); the old primary's port."""
+        port = self.primary_port()
+        assert port is not None
+        redis.Redis(port=self.sentinel_ports[0]).execute_command("SENTINEL", "FAILOVER", MASTER)
+        return port
+
     def lag_replicas_then_kill_primary(self, lag_s: float = 0.5) -> int:
         """SIGSTOP the replicas for `lag_s` (writes pile up on the primary alone), kill -9 the
         primary, SIGCONT the replicas: the promoted one lacks the newest writes. Its port."""

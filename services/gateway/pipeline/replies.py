@@ -9,7 +9,8 @@ client must still see one unbroken stream. Only contiguous indexes are delivered
 that starts past the next index (its predecessor was published while this gateway was not
 listening) is dropped, and the request is told to resume.
 
-When the subscription is lost (Redis went away or failed over), every registered request is
+When the subscription is lost (Redis went away or failed over, or the sentinels named a new
+master while the old primary still answers: shared/master_watch.py), every registered request is
 told to resume (a RESUME event; services/gateway/pipeline/generation.py re-submits it with the
 tokens it delivered once Redis answers again), since a token published meanwhile never reaches
 this gateway; with resuming off (`--redis-resume-timeout 0`) each gets an error event at once
@@ -31,6 +32,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from shared.codec import decode
+from shared.master_watch import MasterWatch, address_of
 from shared.messages import SCHEMA_VERSION, ReplyBatch, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,7 @@ class ReplyRouter:
         channel: str,
         resume: bool = True,
         on_epoch_change: Callable[[], None] = lambda: None,
+        master: MasterWatch | None = None,
     ):
         self.client = client
         self.channel = channel
@@ -83,6 +86,9 @@ class ReplyRouter:
         # the first, a failover the second: a suffix of its writes may be gone
         self.epoch: tuple[str, str] | None = None
         self.on_epoch_change = on_epoch_change
+        # the sentinels' master: when they name another, the subscription (on the old primary,
+        # which a graceful failover leaves up) is dropped and made again on the new one
+        self.master = master or MasterWatch(None, "")
         self.resume = resume  # on a lost subscription, resume the requests (else fail them)
         self.num_resumes = 0  # RESUME events sent (lost subscriptions and gaps)
         self.is_subscribed = False
@@ -220,12 +226,15 @@ class ReplyRouter:
         while not self._is_stopping:
             pubsub = self.client.pubsub()
             try:
+                seen = self.master.num_switches
                 await pubsub.subscribe(self.channel)
+                address = address_of(pubsub.connection)
                 await self._check_epoch()
                 self.is_subscribed = True
                 delay = 0.1
                 log.info("listening for token events on %s", self.channel)
                 while not self._is_stopping:
+                    seen = self.master.check(seen, address)
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
                     if message is not None and message["type"] == "message":
                         self.on_message(message["data"])

@@ -1,0 +1,135 @@
+"""Following Sentinel's choice of Redis master as soon as the sentinels name a new one.
+
+A connection to the old primary does not break when Sentinel promotes a replica on purpose
+(`SENTINEL FAILOVER`, a maintenance window): the old primary takes writes for ~10 s more, until
+Sentinel makes it a replica, and those writes are then discarded by its resynchronisation.
+Services that waited for the demotion lost that much work and stalled their streams as long.
+
+So each service asks the sentinels every WATCH_INTERVAL_S where the master is. When the answer
+changes, the watch
+- counts a switch (`num_switches`, read by the loops, any thread);
+- drops its clients' idle connections and marks those in use to close when released, so each
+  client's next command reaches the new master;
+- and the service's loops, which note `num_switches` and their connection's address when they
+  (re)connect, call `check()`: on the old primary, it raises MasterMoved, a redis
+  ConnectionError, so each loop runs the recovery it already has for a lost Redis (the gateway
+  re-submits its requests, the scheduler takes its own back, the worker's link reconnects and
+  sends again). A loop already on the new master (it reconnected after a crash) goes on.
+
+Without sentinels the watch does nothing and `check()` never raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+
+from shared.bus import sentinel_addresses
+
+if TYPE_CHECKING:
+    from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+Address = tuple[str, int]  # (host, port) as the sentinels name a master
+WATCH_INTERVAL_S = 0.5  # how often the sentinels are asked (a switch is followed within this)
+
+
+def address_of(connection: Any) -> Address | None:
+    """Where a redis-py connection leads (host, port); None for no connection."""
+    if connection is None:
+        return None
+    return (str(connection.host), int(connection.port))
+
+
+class MasterMoved(RedisConnectionError):
+    """The sentinels name another master than the one this loop's connections reach."""
+
+
+class MasterWatch:
+    def __init__(
+        self,
+        sentinels: str | None,
+        master: str,
+        clients: Sequence[aioredis.Redis] = (),
+        on_switch: Callable[[], object] = lambda: None,
+    ):
+        self.sentinels = sentinels  # --redis-sentinels, or None: nothing to follow
+        self.master = master  # the master's name at the sentinels
+        self.clients = list(clients)  # clients whose connections move with the master
+        self.on_switch = on_switch  # called once per switch (the service's metric)
+        self.address: Address | None = None  # the master as last named
+        self.num_switches = 0  # changes of master seen since start
+        self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def for_settings(
+        cls,
+        settings: Settings,
+        clients: Sequence[aioredis.Redis] = (),
+        on_switch: Callable[[], object] = lambda: None,
+    ) -> MasterWatch:
+        return cls(settings.redis_sentinels, settings.redis_sentinel_master, clients, on_switch)
+
+    def start(self) -> MasterWatch:
+        """Watch in a task of the running loop (no task without sentinels)."""
+        if self.sentinels and self._task is None:
+            self._task = asyncio.create_task(self._run(), name="master-watch")
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def check(self, seen: int, address: Address | None = None) -> int:
+        """`num_switches` now. Raise MasterMoved when the master changed since `seen` unless
+        `address` (where the caller is connected; None: unknown) is the new master already:
+        a loop that reconnected on its own after a crash (kill -9) goes on."""
+        if self.num_switches != seen and (address is None or address != self.address):
+            raise MasterMoved(f"the Redis master moved to {self._where()}")
+        return self.num_switches
+
+    def _where(self) -> str:
+        return f"{self.address[0]}:{self.address[1]}" if self.address else "?"
+
+    async def _run(self) -> None:
+        from redis.asyncio.sentinel import Sentinel
+
+        assert self.sentinels
+        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+            sentinel_addresses(self.sentinels), socket_connect_timeout=1, socket_timeout=1
+        )
+        while True:
+            try:
+                address = await sentinel.discover_master(self.master)
+            except (RedisError, OSError, TimeoutError) as exc:  # no quorum yet: ask again
+                log.debug("the sentinels name no master %s: %s", self.master, exc)
+            else:
+                address = (str(address[0]), int(address[1]))
+                if self.address is not None and address != self.address:
+                    await self._switch(address)
+                self.address = address
+            await asyncio.sleep(WATCH_INTERVAL_S)
+
+    async def _switch(self, address: Address) -> None:
+        old = self._where()
+        self.address = address
+        self.num_switches += 1
+        log.warning("the sentinels name a new Redis master: %s (was %s)", self._where(), old)
+        for client in self.clients:
+            pool = client.connection_pool
+            # connections in use finish their command, then close instead of going back idle
+            for connection in getattr(pool, "_in_use_connections", ()):
+                connection.mark_for_reconnect()
+            try:
+                await pool.disconnect(inuse_connections=False)
+            except (RedisError, OSError) as exc:
+                log.debug("closing idle Redis connections: %s", exc)
+        self.on_switch()

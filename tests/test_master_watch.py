@@ -1,0 +1,90 @@
+"""shared/master_watch.py on a real primary, two replicas and three sentinels: after a graceful
+SENTINEL FAILOVER (the old primary stays up and still answers as a master for seconds), the
+watch counts one switch, loops that check it get MasterMoved once, and both an asyncio client
+and the worker's step link reach the new primary at their next command, a connection that was
+in use during the switch included."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+
+import pytest
+
+from services.worker.step_link import StepLink
+from shared.bus import connect
+from shared.master_watch import MasterMoved, MasterWatch
+from tests.support.redis_ha import MASTER, RedisHA
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
+]
+
+
+@pytest.fixture
+def redis_ha():
+    ha = RedisHA().start()
+    try:
+        yield ha
+    finally:
+        ha.stop()
+
+
+async def wait_for(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def served_port(client) -> int:
+    return int((await client.info("server"))["tcp_port"])
+
+
+async def test_a_graceful_failover_moves_every_connection_at_once(redis_ha):
+    client = connect(None, redis_ha.sentinels, MASTER)
+    switched: list[int] = []
+    watch = MasterWatch(redis_ha.sentinels, MASTER, [client], lambda: switched.append(1)).start()
+    link = StepLink(None, "steps", sentinels=redis_ha.sentinels, master=watch)
+    try:
+        old = redis_ha.data_ports[0]
+        assert await served_port(client) == old
+        assert link.read(block_ms=10) == []  # connected to the old primary, an XREAD out
+        await wait_for(lambda: watch.address is not None, 5)
+        # a connection in use across the switch (as one blocked in a command would be)
+        pool = client.connection_pool
+        in_use = await pool.get_connection()
+        assert in_use.port == old
+        assert redis_ha.failover() == old
+        await wait_for(lambda: watch.num_switches == 1, 15)
+        new = watch.address[1]
+        assert new != old and switched == [1]
+        assert watch.check(1) == 1  # a loop that saw the switch goes on
+        assert watch.check(0, ("127.0.0.1", new)) == 1  # so does one already on the new master
+        with pytest.raises(MasterMoved):
+            watch.check(0, ("127.0.0.1", old))  # one on the old primary gets a connection error
+        # the old primary still answers as a master (Sentinel demotes it seconds later), yet
+        # every command from here on reaches the new one
+        assert redis_ha._ping(old)
+        await pool.release(in_use)  # the next command takes it first
+        for _ in range(4):
+            assert await served_port(client) == new
+        with pytest.raises(MasterMoved):
+            link.read(block_ms=10)
+        await client.xadd("steps", {b"m": b"plan"})
+        entries = link.read(block_ms=1000)
+        assert [fields for _, fields in entries] == [{b"m": b"plan"}]
+    finally:
+        link.close()
+        await watch.stop()
+        await client.aclose()
+
+
+async def test_without_sentinels_the_watch_does_nothing():
+    watch = MasterWatch(None, MASTER).start()
+    assert watch._task is None
+    watch.check(0)
+    await watch.stop()
