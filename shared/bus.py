@@ -81,6 +81,66 @@ def _master_auth(url: str | None) -> dict[str, Any]:
     return {k: v for k, v in auth.items() if v is not None}
 
 
+def _master_address(reply: Any) -> tuple[str, int] | None:
+    """SENTINEL GET-MASTER-ADDR-BY-NAME's reply as (host, port); None for an unknown master."""
+    if not reply:
+        return None
+    return as_text(reply[0]), int(reply[1])
+
+
+def _sentinel_class(asynchronous: bool) -> type:
+    """redis-py's Sentinel, asking as the Sentinel client spec says: GET-MASTER-ADDR-BY-NAME of
+    each sentinel in turn, the first answer wins (it names the promoted replica as soon as the
+    failover promoted it; redis-py's SENTINEL MASTERS names it only at the failover's end, ~1 s
+    later, and nothing while the old primary is down)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    if asynchronous:
+        from redis.asyncio.sentinel import MasterNotFoundError
+        from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+
+        class SpecAsyncSentinel(AsyncSentinel):
+            async def discover_master(self, service_name: str) -> tuple[str, int]:
+                for number, sentinel in enumerate(self.sentinels):
+                    try:
+                        reply = await sentinel.execute_command(
+                            "SENTINEL", "GET-MASTER-ADDR-BY-NAME", service_name
+                        )
+                    except (RedisConnectionError, RedisTimeoutError, OSError):
+                        continue
+                    if (address := _master_address(reply)) is not None:
+                        self.sentinels[0], self.sentinels[number] = sentinel, self.sentinels[0]
+                        return address
+                raise MasterNotFoundError(f"no sentinel names a master {service_name!r}")
+
+        return SpecAsyncSentinel
+    from redis.sentinel import MasterNotFoundError as SyncMasterNotFoundError
+    from redis.sentinel import Sentinel as SyncSentinel
+
+    class SpecSentinel(SyncSentinel):
+        def discover_master(self, service_name: str) -> tuple[str, int]:
+            for number, sentinel in enumerate(self.sentinels):
+                try:
+                    reply = sentinel.execute_command(
+                        "SENTINEL", "GET-MASTER-ADDR-BY-NAME", service_name
+                    )
+                except (RedisConnectionError, RedisTimeoutError, OSError):
+                    continue
+                if (address := _master_address(reply)) is not None:
+                    self.sentinels[0], self.sentinels[number] = sentinel, self.sentinels[0]
+                    return address
+            raise SyncMasterNotFoundError(f"no sentinel names a master {service_name!r}")
+
+    return SpecSentinel
+
+
+def sentinel_client(sentinels: str, asynchronous: bool = True, **options: Any) -> Any:
+    """A Sentinel (redis-py's, asking as the spec says) for "host:port,..."."""
+    cls = _sentinel_class(asynchronous)
+    return cls(sentinel_addresses(sentinels), **options)
+
+
 # a master's failover takes seconds: redis-py's own retries would reconnect to the old address
 # (redis/redis-py#3874), so they stay few and short, and the services retry instead
 SENTINEL_RETRIES = 3
@@ -100,10 +160,9 @@ def connect(
         assert url, "a Redis URL or sentinels"
         return aioredis.from_url(url, **options)
     from redis.asyncio.retry import Retry
-    from redis.asyncio.sentinel import Sentinel
     from redis.backoff import ExponentialBackoff
 
-    sentinel = Sentinel(sentinel_addresses(sentinels), socket_connect_timeout=5)  # type: ignore[no-untyped-call]
+    sentinel = sentinel_client(sentinels, socket_connect_timeout=5)
     retry = Retry(ExponentialBackoff(cap=0.2, base=0.01), SENTINEL_RETRIES)
     client: aioredis.Redis = sentinel.master_for(
         master, redis_class=aioredis.Redis, retry=retry, **options, **_master_auth(url)
@@ -141,10 +200,8 @@ def sync_pool(
     if not sentinels:
         assert url, "a Redis URL or sentinels"
         return redis.ConnectionPool.from_url(url, **options)
-    from redis.sentinel import Sentinel
-
-    sentinel = Sentinel(sentinel_addresses(sentinels), socket_connect_timeout=5)  # type: ignore[no-untyped-call]
-    master_client = sentinel.master_for(  # type: ignore[no-untyped-call]
+    sentinel = sentinel_client(sentinels, asynchronous=False, socket_connect_timeout=5)
+    master_client = sentinel.master_for(
         master, connection_class=_following_connection(), **options, **_master_auth(url)
     )
     pool: redis.ConnectionPool = master_client.connection_pool

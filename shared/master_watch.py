@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -30,14 +31,15 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from shared.bus import sentinel_addresses
+from shared.bus import sentinel_client
 
 if TYPE_CHECKING:
     from shared.settings import Settings
 
 log = logging.getLogger(__name__)
 Address = tuple[str, int]  # (host, port) as the sentinels name a master
-WATCH_INTERVAL_S = 0.5  # how often the sentinels are asked (a switch is followed within this)
+WATCH_INTERVAL_S = 0.25  # how often the sentinels are asked (a switch is followed within this)
+PAUSE_TICK_S = 0.05  # how often a retry's pause looks for a switch that ends it early
 
 
 def address_of(connection: Any) -> Address | None:
@@ -96,16 +98,26 @@ class MasterWatch:
             raise MasterMoved(f"the Redis master moved to {self._where()}")
         return self.num_switches
 
+    async def pause(self, seconds: float) -> None:
+        """A retry's wait: `seconds`, or until the sentinels name a new master (the loop that
+        lost Redis then reconnects at once instead of at its next backoff)."""
+        seen, loop = self.num_switches, asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while self.num_switches == seen and (left := deadline - loop.time()) > 0:
+            await asyncio.sleep(min(left, PAUSE_TICK_S) if self.sentinels else left)
+
+    def pause_blocking(self, seconds: float) -> None:
+        """`pause` for a thread that is not the event loop's (the worker's torch thread)."""
+        seen, deadline = self.num_switches, time.monotonic() + seconds
+        while self.num_switches == seen and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(left, PAUSE_TICK_S) if self.sentinels else left)
+
     def _where(self) -> str:
         return f"{self.address[0]}:{self.address[1]}" if self.address else "?"
 
     async def _run(self) -> None:
-        from redis.asyncio.sentinel import Sentinel
-
         assert self.sentinels
-        sentinel = Sentinel(  # type: ignore[no-untyped-call]
-            sentinel_addresses(self.sentinels), socket_connect_timeout=1, socket_timeout=1
-        )
+        sentinel = sentinel_client(self.sentinels, socket_connect_timeout=1, socket_timeout=1)
         while True:
             try:
                 address = await sentinel.discover_master(self.master)

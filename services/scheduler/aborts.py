@@ -5,7 +5,6 @@ dropped when it is pulled."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
@@ -67,7 +66,7 @@ class AbortListener:
                         self.hear(message["data"])
             except REDIS_ERRORS as exc:
                 log.warning("abort channel lost (%s); resubscribing in %.2f s", exc, backoff)
-                await asyncio.sleep(backoff)
+                await self.master.pause(backoff)
                 backoff = min(backoff * 2, 5.0)
             finally:
                 try:

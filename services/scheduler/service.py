@@ -135,7 +135,7 @@ class SchedulerService:
                         raise  # a bug, not an outage
                     log.warning("Redis unreachable or reset (%s); retrying in %.2f s", exc, backoff)
                     self.scheduler = None  # held requests stay pending: claimed again later
-                    await asyncio.sleep(backoff)
+                    await self.master.pause(backoff)
                     backoff = min(backoff * 2, MAX_BACKOFF_S)
         finally:
             for task in tasks:

@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 STEPS_IN_FLIGHT = 2  # plans sent before the oldest result is awaited
 STEPS_MAXLEN = 1000
 RESULT_WARN_S = 30.0
-RESULT_BLOCK_MS = 1000  # a result read waits this long before the worker's health is checked
+# a result read waits this long before the worker's health (and where Redis's master is) is
+# checked: a sentinel switch is followed within it
+RESULT_BLOCK_MS = 250
 # late planning: the next plan is made by this share of a decode-only step's usual duration
 # (the estimate runs low on purpose: every step with prompt tokens takes longer, and a plan
 # that comes late idles the worker)
@@ -95,8 +97,9 @@ class StepChannel:
     async def await_oldest(
         self, check_worker: Callable[[], Awaitable[None]], give_up: Callable[[], bool]
     ) -> StepResult:
-        """The result of the oldest plan in flight. Every silent second, `check_worker` may
-        raise (the worker is gone); once `give_up()` is true an empty result is returned."""
+        """The result of the oldest plan in flight. After every silent RESULT_BLOCK_MS,
+        `check_worker` may raise (the worker is gone, Redis's master moved); once `give_up()`
+        is true an empty result is returned."""
         step_id, sent_at = self.in_flight.popleft()
         results = self.channels.results(self.group)
         waited = 0.0
@@ -110,7 +113,7 @@ class StepChannel:
                 if give_up():
                     log.warning("stopping without the result of step %d", step_id)
                     return StepResult(step_id=step_id)  # its requests are handed back
-                waited += 1.0
+                waited += RESULT_BLOCK_MS / 1000
                 if waited % RESULT_WARN_S == 0:
                     log.warning("no result for step %d after %.0f s", step_id, waited)
         self.metrics.step_round_trip.observe(time.perf_counter() - sent_at)

@@ -190,7 +190,7 @@ class WorkerService:
                 if is_stopping and not self.runner.requests:  # nothing to finish, nor to wait for
                     break
                 log.warning("Redis unreachable (%s); retrying in %.2f s", exc, backoff)
-                time.sleep(backoff)
+                self.master.pause_blocking(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
             backoff = 0.25
@@ -229,7 +229,7 @@ class WorkerService:
                     log.warning("step %d not published: %s", outcome.result.step_id, exc)
                     return
                 log.warning("could not publish a step (%s); retrying in %.2f s", exc, backoff)
-                time.sleep(backoff)
+                self.master.pause_blocking(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
             self.metrics.publish_duration.observe(time.perf_counter() - started)

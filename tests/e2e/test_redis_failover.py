@@ -114,6 +114,6 @@ async def test_streams_survive_losing_the_redis_primary(cluster, redis_ha, fault
         epochs = re.search(r"^textgen_redis_epoch_changes ([0-9]+)$", metrics, re.M)
         assert epochs is not None
         # the reply subscription moves once, to a node of a new replication id
-        assert int(epochs.group(1)) == 1
+        assert int(epochs.group(1)) == 1, cluster.log_tails(6000)
         switches = re.search(r"^textgen_redis_master_switches ([0-9]+)$", metrics, re.M)
         assert switches is not None and int(switches.group(1)) >= 1

@@ -56,6 +56,8 @@ class RedisHA:
             )
             self._spawn(port, str(config), "--sentinel")
         self._wait(lambda: self.primary_port() == primary, timeout, "sentinels agree")
+        # a SENTINEL FAILOVER needs a replica the sentinels know (else NOGOODSLAVE)
+        self._wait(self._replicas_known, timeout, "replicas known to every sentinel")
         return self
 
     def primary_port(self) -> int | None:
@@ -116,6 +118,17 @@ class RedisHA:
                 process.kill()
                 process.wait(timeout=10)
         shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _replicas_known(self) -> bool:
+        for port in self.sentinel_ports:
+            client = redis.Redis(port=port, socket_timeout=1, decode_responses=True)
+            replicas = client.execute_command("SENTINEL", "REPLICAS", MASTER)
+            # redis-py parses each replica into a dict (RESP2 gives field, value, ...)
+            fields = [r if isinstance(r, dict) else dict(zip(r[::2], r[1::2])) for r in replicas]
+            flags = [str(f["flags"]) for f in fields]
+            if len(flags) < 2 or any("down" in f or "disconnected" in f for f in flags):
+                return False
+        return True
 
     def _replicas_synced(self) -> bool:
         for port in self.data_ports[1:]:

@@ -245,7 +245,7 @@ class ReplyRouter:
                     log.warning("reply subscription lost (%s); retrying in %.1fs", exc, delay)
                 else:
                     log.exception("reply subscription failed; retrying in %.1fs", delay)
-                await asyncio.sleep(delay)
+                await self.master.pause(delay)
                 delay = min(delay * 2, MAX_BACKOFF_S)
             finally:
                 self.is_subscribed = False
