@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.redis_ha import RedisHA
 from tests.support.redis_server import redis_server
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260k"
@@ -68,3 +69,13 @@ def tool_caller(tmp_path_factory) -> Path:
     from tests.support.tiny_models import make_tool_caller
 
     return make_tool_caller(tmp_path_factory.mktemp("tool-caller"))
+
+
+@pytest.fixture
+def redis_ha():
+    """A primary, two replicas and three sentinels on loopback (tests/support/redis_ha.py)."""
+    ha = RedisHA().start()
+    try:
+        yield ha
+    finally:
+        ha.stop()

@@ -15,22 +15,13 @@ import pytest
 from services.worker.step_link import StepLink
 from shared.bus import connect
 from shared.master_watch import MasterMoved, MasterWatch
-from tests.support.redis_ha import MASTER, RedisHA
+from tests.support.redis_ha import MASTER
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.timeout(120),
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
 ]
-
-
-@pytest.fixture
-def redis_ha():
-    ha = RedisHA().start()
-    try:
-        yield ha
-    finally:
-        ha.stop()
 
 
 async def wait_for(condition, timeout_s: float) -> None:

@@ -36,15 +36,6 @@ STALL_ALLOWANCE_S = 2.0  # a client's longest pause: at most the failover and th
 
 
 @pytest.fixture
-def redis_ha():
-    ha = RedisHA().start()
-    try:
-        yield ha
-    finally:
-        ha.stop()
-
-
-@pytest.fixture
 def cluster(redis_ha, tiny_llama, namespace):
     flags = [*CLUSTER_ARGS, "--max-batch-total-tokens", "20000"]
     flags += ["--redis-sentinels", redis_ha.sentinels, "--redis-wait-replicas", "1"]

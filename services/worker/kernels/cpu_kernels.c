@@ -33,27 +33,8 @@
 #include <string.h>
 
 typedef uint16_t bf16_t;
-typedef float vec16 __attribute__((vector_size(64))); /* KEY_TILE floats */
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-static inline vec16 load16_float(const float *p) {
-    vec16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline vec16 load16_bf16(const bf16_t *p) {
-    u16x16 raw;
-    memcpy(&raw, p, sizeof raw);
-    u32x16 wide = __builtin_convertvector(raw, u32x16) << 16;
-    vec16 v;
-    memcpy(&v, &wide, sizeof v);
-    return v;
-}
-
-/* The attention kernel's vectors: the widest this build's instruction set holds in one
- * register. A 64-byte vec16 without AVX512 makes GCC shuffle every operation through the
+/* The attention and LoRA kernels' vectors: the widest this build's instruction set holds in
+ * one register. A 64-byte vector without AVX512 makes GCC shuffle every operation through the
  * stack (movq/vpinsrq): the AVX2 build's batch-32 attention ran at 4 GB/s from L3. */
 #if defined(__AVX512F__)
 #define LANES 16
@@ -138,22 +119,19 @@ static inline float exp_clamped(float x) {
 #define SUFFIX f32
 #define LOAD(x) (x)
 #define STORE(x) (x)
-#define LOAD16(p) load16_float(p) /* KEY_TILE consecutive elements as floats */
-#define LOADW(p) loadw_float(p)   /* LANES consecutive elements as floats */
+#define LOADW(p) loadw_float(p) /* LANES consecutive elements as floats */
 #include "cpu_kernels.inc"
 #include "lora.inc"
 #undef T
 #undef SUFFIX
 #undef LOAD
 #undef STORE
-#undef LOAD16
 #undef LOADW
 
 #define T bf16_t
 #define SUFFIX bf16
 #define LOAD(x) bf16_to_float(x)
 #define STORE(x) float_to_bf16(x)
-#define LOAD16(p) load16_bf16(p)
 #define LOADW(p) loadw_bf16(p)
 #include "cpu_kernels.inc"
 #include "lora.inc"
@@ -161,7 +139,6 @@ static inline float exp_clamped(float x) {
 #undef SUFFIX
 #undef LOAD
 #undef STORE
-#undef LOAD16
 #undef LOADW
 
 #include "amx_linear.inc"
