@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -196,10 +198,26 @@ def test_launch_restarts_a_dead_worker_and_serves_again(launched):
     assert process.wait(timeout=60) == 0
 
 
+def free_port_run(count: int) -> int:
+    """The first of `count` consecutive ports nobody listens on, below Linux's ephemeral range
+    (32768 up): a port the OS picked could be taken meanwhile as an outgoing connection's
+    local port, and so could its neighbours."""
+    rng = random.Random()
+    while True:
+        base = rng.randrange(20000, 32768 - count)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as sock:
+                    sock.bind(("0.0.0.0", port))
+        except OSError:
+            continue
+        return base
+
+
 def test_launch_starts_several_groups_that_all_serve(start):
     """--num-groups 2: two scheduler/worker pairs on their own groups (and metrics ports)
     behind one gateway; `textgen queue` lists both, and both take requests."""
-    metrics_port = free_port()
+    metrics_port = free_port_run(4)  # scheduler 0, worker 0, scheduler 1, worker 1
     process, port, ready = start("--num-groups", "2", "--metrics-port", str(metrics_port))
     redis_url = ready.split("redis ")[1].rstrip(")\n")
     argvs = [
