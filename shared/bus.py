@@ -81,10 +81,12 @@ def _master_auth(url: str | None) -> dict[str, Any]:
     return {k: v for k, v in auth.items() if v is not None}
 
 
-def _master_address(reply: Any) -> tuple[str, int] | None:
-    """SENTINEL GET-MASTER-ADDR-BY-NAME's reply as (host, port); None for an unknown master."""
+def _first_to_name(sentinels: list[Any], number: int, reply: Any) -> tuple[str, int] | None:
+    """The master sentinel `number` named in its GET-MASTER-ADDR-BY-NAME `reply`, as
+    (host, port), that sentinel then asked first next time; None when it named none."""
     if not reply:
         return None
+    sentinels[0], sentinels[number] = sentinels[number], sentinels[0]
     return as_text(reply[0]), int(reply[1])
 
 
@@ -109,8 +111,7 @@ def _sentinel_class(asynchronous: bool) -> type:
                         )
                     except (RedisConnectionError, RedisTimeoutError, OSError):
                         continue
-                    if (address := _master_address(reply)) is not None:
-                        self.sentinels[0], self.sentinels[number] = sentinel, self.sentinels[0]
+                    if (address := _first_to_name(self.sentinels, number, reply)) is not None:
                         return address
                 raise MasterNotFoundError(f"no sentinel names a master {service_name!r}")
 
@@ -127,8 +128,7 @@ def _sentinel_class(asynchronous: bool) -> type:
                     )
                 except (RedisConnectionError, RedisTimeoutError, OSError):
                     continue
-                if (address := _master_address(reply)) is not None:
-                    self.sentinels[0], self.sentinels[number] = sentinel, self.sentinels[0]
+                if (address := _first_to_name(self.sentinels, number, reply)) is not None:
                     return address
             raise SyncMasterNotFoundError(f"no sentinel names a master {service_name!r}")
 

@@ -124,7 +124,6 @@ class MasterWatch:
             except (RedisError, OSError, TimeoutError) as exc:  # no quorum yet: ask again
                 log.debug("the sentinels name no master %s: %s", self.master, exc)
             else:
-                address = (str(address[0]), int(address[1]))
                 if self.address is not None and address != self.address:
                     await self._switch(address)
                 self.address = address
