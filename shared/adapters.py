@@ -1,6 +1,6 @@
 """The LoRA adapter registry: which adapters clients may select, shared by every service.
 
-The set lives in one Redis hash (`{ns}:adapters`, name -> AdapterRef), so every gateway
+The set lives in one Redis hash (`{textgen}:adapters`, name -> AdapterRef), so every gateway
 replica accepts the same names and a request carries its adapter's folder to whichever worker
 group runs it. Adapters enter at start-up (`--lora-adapters NAME=FOLDER,...`, TGI's
 `LORA_ADAPTERS`) or at run time (`POST /v1/load_lora_adapter`), and leave with

@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from shared.bus import sentinel_client
+from shared.redis_connect import sentinel_client
 
 if TYPE_CHECKING:
     from shared.settings import Settings

@@ -7,16 +7,18 @@ sender can add fields without breaking an older receiver. `v` is the schema vers
 
 Who sends what:
 
-    gateway   --GenerateRequest-->  {ns}:requests             (stream, group "schedulers")
-    gateway   --AbortRequest----->  {ns}:aborts               (pub/sub, every scheduler)
-    scheduler --StepPlan--------->  {ns}:group:{g}:steps      (stream, read by worker rank 0)
-    worker    --StepResult------->  {ns}:group:{g}:results    (stream, read by the scheduler)
-    worker    --ReplyBatch------->  {ns}:reply:{gateway_id}   (pub/sub, one PUBLISH per gateway
-                                                               per step)
-    worker    --WorkerReady------>  {ns}:group:{g}:worker     (key: capacity of the group)
-    worker    --Heartbeat-------->  {ns}:group:{g}:heartbeat  (key with a TTL)
-    scheduler --SchedulerStats--->  {ns}:group:{g}:scheduler  (key: live counters for operators)
-    any       --AdapterRef------->  {ns}:adapters             (hash: name -> LoRA adapter)
+    gateway   --GenerateRequest-->  {textgen}:requests            (stream, group "schedulers")
+    gateway   --AbortRequest----->  {textgen}:aborts              (pub/sub, every scheduler)
+    scheduler --StepPlan--------->  {textgen:group:<g>}:steps     (stream, read by worker rank 0)
+    worker    --StepResult------->  {textgen:group:<g>}:results   (stream, read by the scheduler)
+    worker    --ReplyBatch------->  {textgen}:reply:<gateway_id>  (pub/sub, one PUBLISH per
+                                                                 gateway per step)
+    worker    --WorkerReady------>  {textgen:group:<g>}:worker    (key: capacity of the group)
+    worker    --Heartbeat-------->  {textgen:group:<g>}:heartbeat (key with a TTL)
+    scheduler --SchedulerStats--->  {textgen:group:<g>}:scheduler (key: live counters)
+    any       --AdapterRef------->  {textgen}:adapters            (hash: name -> LoRA adapter)
+
+(`textgen` is --namespace; the braces are Redis Cluster hash tags, see shared/channels.py.)
 
 No tensors travel: token ids are lists of ints, times are unix seconds (float).
 """

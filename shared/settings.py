@@ -75,6 +75,11 @@ class Settings(BaseSettings):
     redis_sentinel_master: str = Field(
         "mymaster", description="the master's name in Sentinel (`sentinel monitor NAME ...`)"
     )
+    redis_cluster: bool = Field(
+        False,
+        description="--redis-url names a node of a Redis Cluster (or a cluster-mode managed "
+        "Redis): every service uses a cluster client",
+    )
     namespace: str = Field("textgen", description="prefix of every Redis key and channel")
     model_id: str = Field(
         "HuggingFaceTB/SmolLM2-135M-Instruct", description="hub id or local model folder"
@@ -256,9 +261,13 @@ class Settings(BaseSettings):
         if self.cuda_graphs is not None:
             parse_cuda_graphs(self.cuda_graphs)  # raises ValueError with the reason
         if self.redis_sentinels is not None:
-            from shared.bus import sentinel_addresses
+            from shared.redis_connect import sentinel_addresses
 
             sentinel_addresses(self.redis_sentinels)  # raises ValueError with the reason
+        if self.redis_cluster and (self.redis_sentinels or not self.redis_url):
+            raise ValueError("redis_cluster needs --redis-url (a cluster node) and no sentinels")
+        if "{" in self.namespace or "}" in self.namespace:
+            raise ValueError("namespace must not hold { or } (key names add their hash tags)")
         if self.redis_wait_replicas < 0:
             raise ValueError("redis_wait_replicas must be >= 0")
         if self.redis_resume_timeout < 0:

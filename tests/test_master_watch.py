@@ -13,9 +13,9 @@ import time
 import pytest
 
 from services.worker.step_link import StepLink
-from shared.bus import connect
 from shared.master_watch import MasterMoved, MasterWatch
-from tests.support.redis_ha import MASTER
+from shared.redis_connect import connect
+from tests.support.redis_ha import MASTER, ping
 
 pytestmark = [
     pytest.mark.integration,
@@ -59,7 +59,7 @@ async def test_a_graceful_failover_moves_every_connection_at_once(redis_ha):
             watch.check(0, ("127.0.0.1", old))  # one on the old primary gets a connection error
         # the old primary still answers as a master (Sentinel demotes it seconds later), yet
         # every command from here on reaches the new one
-        assert redis_ha._ping(old)
+        assert ping(old)
         await pool.release(in_use)  # the next command takes it first
         for _ in range(4):
             assert await served_port(client) == new

@@ -33,10 +33,10 @@ from services.gateway.tgi import info as info_routes
 from services.gateway.tgi import routes as tgi_routes
 from services.gateway.tgi.validation import Limits
 from shared.adapters import startup_refs
-from shared.bus import client_for, redact_url
 from shared.channels import Channels
 from shared.master_watch import MasterWatch
 from shared.model_files import TOKENIZER_FILES, context_length, resolve_model_dir
+from shared.redis_connect import client_for, redact_url
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -83,13 +83,11 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI):
         if not settings.has_redis:
             raise RuntimeError("the gateway needs --redis-url or --redis-sentinels")
-        state.client = client_for(settings)
+        # every request in flight may hold a connection at once (its XADD, then its abort)
+        state.client = client_for(settings, 2 * settings.max_concurrent_requests + 16)
         # fail fast while Redis is down (503 at once, not after redis-py's backoff); one retry
         # still replaces a pooled connection that died with a restarted Redis
         state.client.set_retry(Retry(NoBackoff(), 1))
-        # every request in flight may hold a connection at once (its XADD, then its abort)
-        pool = state.client.connection_pool
-        pool.max_connections = max(pool.max_connections, 2 * settings.max_concurrent_requests + 16)
         master = MasterWatch.for_settings(
             settings, [state.client], on_switch=state.metrics.redis_master_switched
         ).start()

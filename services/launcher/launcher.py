@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 from services.launcher.embedded_redis import EmbeddedRedis
 from shared.adapters import startup_refs
-from shared.bus import redact_url
 from shared.model_files import resolve_model_dir
 from shared.openmp import IO_CPUS_ENV, cpu_list, share_cores, split_cpus
+from shared.redis_connect import redact_url
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)

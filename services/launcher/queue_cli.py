@@ -6,8 +6,8 @@
     textgen queue undrain GROUP                  ... and pulls again
 
 Redis URL and namespace come from --redis-url/--namespace, else REDIS_URL/NAMESPACE (Settings).
-Draining is a key ({ns}:group:{g}:drain) that the scheduler reads every half second; requests it
-already holds still finish, the others go to the other groups.
+Draining is a key ({textgen:group:<g>}:drain) that the scheduler reads every half second;
+requests it already holds still finish, the others go to the other groups.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import Any
 import redis
 
 from services.launcher.queue_view import GroupView, QueueSnapshot, QueueView, RequestState
-from shared.bus import as_text, redact_url, sync_pool
+from shared.bus import as_text
+from shared.redis_connect import redact_url, sync_client
 from shared.settings import Settings, describe_invalid
 
 CONFIRM_TIMEOUT_S = 5.0  # drain/undrain wait this long for the scheduler to report the change
@@ -31,6 +32,13 @@ CONFIRM_TIMEOUT_S = 5.0  # drain/undrain wait this long for the scheduler to rep
 def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
     # absent unless given, so that flags after a sub-action do not reset the ones before it
     parser.add_argument("--redis-url", default=argparse.SUPPRESS, help="default: env REDIS_URL")
+    parser.add_argument(
+        "--redis-cluster",
+        action="store_const",
+        const=True,
+        default=argparse.SUPPRESS,
+        help="--redis-url names a Redis Cluster node (default: env REDIS_CLUSTER)",
+    )
     parser.add_argument("--namespace", default=argparse.SUPPRESS, help="default: env NAMESPACE")
     parser.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help="print JSON for scripts"
@@ -56,7 +64,8 @@ def add_queue_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    explicit = {k: getattr(args, k) for k in ("redis_url", "namespace") if hasattr(args, k)}
+    names = ("redis_url", "redis_cluster", "namespace")
+    explicit = {k: getattr(args, k) for k in names if hasattr(args, k)}
     try:
         settings = Settings(**explicit)
     except ValueError as exc:
@@ -65,13 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if not settings.has_redis:
         print("textgen queue: no Redis: pass --redis-url or set REDIS_URL", file=sys.stderr)
         return 2
-    pool = sync_pool(
-        settings.redis_url,
-        settings.redis_sentinels,
-        settings.redis_sentinel_master,
-        socket_connect_timeout=5,
-    )
-    client = redis.Redis(connection_pool=pool)
+    client = sync_client(settings, socket_connect_timeout=5)
     view = QueueView(client, settings.namespace)
     as_json = getattr(args, "json", False)
     try:

@@ -2,13 +2,14 @@
 
 Everything comes from what the services already keep in Redis (see shared/channels.py):
 
-    {ns}:requests               stream of unfinished GenerateRequests; consumer group "schedulers"
-                                (consumer names are f"{group}-{hex}", one per scheduler session)
-    {ns}:groups                 set of worker group ids
-    {ns}:group:{g}:worker       WorkerReady (capacity)
-    {ns}:group:{g}:heartbeat    Heartbeat (expires when the group stops beating)
-    {ns}:group:{g}:scheduler    SchedulerStats (running, waiting, blocks, counters)
-    {ns}:group:{g}:drain        present while the group is told to drain
+    {textgen}:requests               stream of unfinished GenerateRequests; consumer group
+                                     "schedulers" (consumer names are f"{group}-{hex}", one per
+                                     scheduler session)
+    {textgen}:groups                 set of worker group ids
+    {textgen:group:<g>}:worker       WorkerReady (capacity)
+    {textgen:group:<g>}:heartbeat    Heartbeat (expires when the group stops beating)
+    {textgen:group:<g>}:scheduler    SchedulerStats (running, waiting, blocks, counters)
+    {textgen:group:<g>}:drain        present while the group is told to drain
 
 Only reading commands are sent (XLEN, XRANGE, XINFO, XPENDING, SMEMBERS, GET, EXISTS, TIME):
 looking at the queue never changes it. Stream ids carry the Redis server's clock, so stream ages

@@ -1,10 +1,11 @@
-"""Hearing AbortRequests (gateways publish them on {ns}:aborts when a client goes away, a stop
+"""Hearing AbortRequests (gateways publish them on {textgen}:aborts when a client goes away, a stop
 string matched or a deadline passed). Every scheduler hears every abort; the one holding the
 request drops it, and the ids are remembered for a while so a request still in the stream is
 dropped when it is pulled."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -15,6 +16,7 @@ from shared.channels import Channels
 from shared.codec import decode
 from shared.master_watch import MasterWatch, address_of
 from shared.messages import AbortRequest
+from shared.redis_connect import pubsub_of
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +55,9 @@ class AbortListener:
         master once the sentinels name one."""
         backoff = 0.25
         while True:
-            pubsub = self.redis.pubsub()
+            pubsub = None
             try:
+                pubsub = await pubsub_of(self.redis)
                 seen = self.master.num_switches
                 await pubsub.subscribe(self.channels.aborts)
                 address = address_of(pubsub.connection)
@@ -69,10 +72,9 @@ class AbortListener:
                 await self.master.pause(backoff)
                 backoff = min(backoff * 2, 5.0)
             finally:
-                try:
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
-                except REDIS_ERRORS:
-                    pass
+                if pubsub is not None:
+                    with contextlib.suppress(*REDIS_ERRORS):
+                        await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     def hear(self, data: bytes) -> None:
         try:

@@ -7,8 +7,9 @@ import signal
 
 from services.scheduler.service import SchedulerService
 from shared import aio
-from shared.bus import client_for, wait_for_redis
+from shared.bus import wait_for_redis
 from shared.ops_server import OpsServer
+from shared.redis_connect import client_for
 from shared.settings import Settings
 from shared.telemetry import setup_tracing
 

@@ -2,7 +2,7 @@
 
 Each turn of the loop pulls requests only while the worker group has room, so load spreads
 over groups with no router (intake.py: the request lanes, claims, acknowledgements);
-applies the aborts heard on {ns}:aborts; lets the Scheduler plan (scheduler.py, no I/O); sends
+applies the aborts heard on {textgen}:aborts; lets the Scheduler plan (scheduler.py, no I/O); sends
 each StepPlan and waits for the StepResult (steps.py); and finishes the requests that ended.
 A request is acknowledged only when it ended, so the lanes hold exactly the unfinished
 requests and a dead scheduler's requests stay pending for another to claim.
@@ -42,7 +42,7 @@ MAX_BACKOFF_S = 1.0  # between Redis retries: a failover takes seconds, follow i
 
 
 STATS_INTERVAL_S = 0.25
-DRAIN_CHECK_INTERVAL_S = 0.5  # how often the drain key ({ns}:group:{g}:drain) is read
+DRAIN_CHECK_INTERVAL_S = 0.5  # how often the drain key ({textgen:group:<g>}:drain) is read
 WORKER_CHECK_INTERVAL_S = 1.0  # how often an idle loop checks its worker's heartbeat
 CLAIM_INTERVAL_S = 1.0  # how often abandoned requests are looked for
 KEEP_FRESH_INTERVAL_S = 1.0  # how often held requests' idle times are reset
@@ -153,7 +153,8 @@ class SchedulerService:
         await self.intake.open()
         await self.steps.reset()
         # where those commands went (a sentinel-managed pool notes the master it connects to)
-        self._session_master = getattr(self.redis.connection_pool, "master_address", None)
+        pool = getattr(self.redis, "connection_pool", None)  # a cluster client has one per node
+        self._session_master = getattr(pool, "master_address", None)
         self._worker = ready
         self.scheduler = Scheduler(config, clock=time.time)  # its first plan resets the worker
         await self._add(await self.intake.own_pending())

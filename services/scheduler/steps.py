@@ -1,5 +1,5 @@
-"""The scheduler's side of the step streams: plans out on {ns}:group:{g}:steps, results back
-on {ns}:group:{g}:results, with up to STEPS_IN_FLIGHT plans outstanding (overlapped
+"""The scheduler's side of the step streams: plans out on {textgen:group:<g>}:steps, results back
+on {textgen:group:<g>}:results, with up to STEPS_IN_FLIGHT plans outstanding (overlapped
 scheduling: plan N+1 is sent while the worker runs plan N).
 
 Late planning: plan N+1 only needs to reach the worker before step N ends, and a request that

@@ -25,9 +25,10 @@ from services.worker.runtime import build_runner
 from services.worker.service import WorkerService
 from shared import aio
 from shared.adapters import AdapterError
-from shared.bus import client_for, wait_for_redis
+from shared.bus import wait_for_redis
 from shared.openmp import cpu_list, move_to_io_cpus
 from shared.ops_server import OpsServer
+from shared.redis_connect import client_for
 from shared.settings import Settings
 from shared.telemetry import new_registry, setup_tracing
 

@@ -1,8 +1,8 @@
 """The worker's Redis loop: announce capacity, execute step plans, stream tokens back.
 
-The torch thread does the per-step work: it reads StepPlans from {ns}:group:{g}:steps, runs
+The torch thread does the per-step work: it reads StepPlans from {textgen:group:<g>}:steps, runs
 them on the ModelRunner, and writes one PUBLISH of a ReplyBatch per gateway and the XADD of the
-StepResult to {ns}:group:{g}:results in one packet (services/worker/step_link.py: the next plan
+StepResult to {textgen:group:<g>}:results in one packet (services/worker/step_link.py: the next plan
 is already in the socket when a step ends, and no write waits for Redis's reply), then starts
 the next step. The event loop announces the group and beats; a long forward never delays a
 heartbeat, and no other thread takes the GIL while a step runs.
@@ -161,6 +161,7 @@ class WorkerService:
             on_error_reply=self.metrics.redis_error_replies.inc,
             sentinels=self.settings.redis_sentinels,
             sentinel_master=self.settings.redis_sentinel_master,
+            cluster=self.settings.redis_cluster,
             master=self.master,
         )
         plans: deque[StepPlan] = deque()

@@ -28,10 +28,11 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from redis.exceptions import ResponseError
+from redis.exceptions import MovedError, ReadOnlyError, ResponseError
 
-from shared.bus import REDIS_ERRORS, pairs_to_fields, sync_pool
+from shared.bus import REDIS_ERRORS, pairs_to_fields
 from shared.master_watch import MasterMoved, MasterWatch, address_of
+from shared.redis_connect import sync_pool
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +71,16 @@ class StepLink:
         sentinels: str | None = None,
         sentinel_master: str = "mymaster",
         master: MasterWatch | None = None,
+        cluster: bool = False,
     ) -> None:
-        """To `url`, or with `sentinels` to the master they name (each reconnect asks them)."""
+        """To `url`, or with `sentinels` to the master they name (each reconnect asks them), or
+        with `cluster` to the node of the Redis Cluster that serves `steps` (its group's keys
+        share that node: shared/channels.py)."""
         pool = sync_pool(
             url,
             sentinels,
             sentinel_master,
+            cluster_key=steps if cluster else None,
             socket_connect_timeout=5,
             socket_timeout=SOCKET_TIMEOUT_S,
         )
@@ -195,7 +200,8 @@ class StepLink:
             try:
                 self._sender.read_response()
             except ResponseError as exc:
-                if str(exc).startswith("READONLY"):
+                # a demoted primary, or a cluster node that no longer serves the group's slot
+                if isinstance(exc, ReadOnlyError | MovedError):
                     batch[2] = True  # sent again once reconnected to the master
                 else:
                     log.error("Redis refused a worker's write: %s", exc)

@@ -260,12 +260,14 @@ def holders(cluster: Cluster, adapter_name: str) -> list[str]:
     """The groups whose heartbeat lists the adapter (read from Redis)."""
     import redis
 
+    from shared.channels import Channels
     from shared.codec import decode
     from shared.messages import AdapterRef, Heartbeat
 
+    channels = Channels(cluster.namespace)
     client = redis.Redis.from_url(cluster.redis_url)
-    ref = decode(client.hget(f"{cluster.namespace}:adapters", adapter_name), AdapterRef)
-    beats = {g: client.get(f"{cluster.namespace}:group:{g}:heartbeat") for g in cluster.groups}
+    ref = decode(client.hget(channels.adapters, adapter_name), AdapterRef)
+    beats = {g: client.get(channels.heartbeat(g)) for g in cluster.groups}
     return [g for g, beat in beats.items() if beat and ref.id in decode(beat, Heartbeat).adapters]
 
 

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from shared.bus import connect, redact_url
+from shared.redis_connect import connect, redact_url
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,7 @@ async def test_generate_details_and_headers(http, peer):
     assert response.headers["x-prompt-tokens"] == str(len(request.input_ids))
     assert request.input_ids[0] == 1  # BOS added
     assert request.stopping.max_new_tokens == 5 and not request.sampling.do_sample
-    assert request.reply_to.startswith(f"{peer.channels.namespace}:reply:")
+    assert request.reply_to == peer.channels.reply(request.reply_to.rsplit(":", 1)[1])
     for name in (
         "x-compute-type",
         "x-compute-time",

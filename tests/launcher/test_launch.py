@@ -17,6 +17,7 @@ import httpx
 import pytest
 import redis
 
+from shared.channels import Channels
 from shared.openmp import SPINCOUNT, USER_CHOICES
 from tests.support.redis_server import free_port
 
@@ -457,7 +458,7 @@ def test_launch_with_redis_sentinels(tiny_llama):
         answer = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=60)
         assert answer.status_code == 200 and answer.json()["generated_text"]
         primary = redis.Redis(port=ha.primary_port())
-        assert primary.smembers("textgen:groups")  # the services registered on the master
+        assert primary.smembers(Channels().groups)  # the services registered on the master
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         waits = [line for line in metrics.splitlines() if "intake_wait_seconds_count" in line]
         assert waits and float(waits[0].split()[-1]) >= 1

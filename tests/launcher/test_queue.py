@@ -65,8 +65,10 @@ def request_message(request_id: str, num_input: int = 3) -> GenerateRequest:
 
 
 def dump_namespace(client: redis.Redis, namespace: str) -> dict[bytes, bytes]:
-    """Every key of the namespace with its serialized value (consumer groups included)."""
-    return {key: client.dump(key) for key in client.scan_iter(f"{namespace}:*")}
+    """Every key of the namespace with its serialized value (consumer groups included): those
+    under its shared hash tag ({ns}:...) and its groups' ({ns:group:<g>}:...)."""
+    keys = client.scan_iter("{" + namespace + "[:}]*")
+    return {key: client.dump(key) for key in keys}
 
 
 @pytest.fixture
@@ -138,6 +140,7 @@ def test_request_state_by_id(fabricated, namespace):
 def test_read_only_commands_do_not_change_redis(fabricated, redis_url, namespace):
     before = dump_namespace(fabricated, namespace)
     num_keys = fabricated.dbsize()
+    assert len(before) == 7  # the fixture's keys, both hash tags' (shared/channels.py)
     snapshot = queue_json(redis_url, namespace)
     assert snapshot["stream"]["length"] == 3 and len(snapshot["groups"]) == 2
     assert queue_json(redis_url, namespace, "request", "r-b")["state"] == "queued"

@@ -19,6 +19,28 @@ MASTER = "mymaster"
 DOWN_AFTER_MS = 1000
 
 
+def ping(port: int) -> bool:
+    """Whether a Redis on loopback at `port` answers."""
+    try:
+        return bool(redis.Redis(port=port, socket_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+def wait_until(check, timeout: float, what: str) -> None:
+    """Return once check() is true (a Redis error counts as false); TimeoutError naming `what`
+    after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except redis.RedisError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"Redis: no {what} within {timeout:.0f} s")
+
+
 class RedisHA:
     def __init__(self) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="textgen-redis-ha-"))
@@ -44,8 +66,8 @@ class RedisHA:
         for port in self.data_ports:
             replica = [] if port == primary else ["--replicaof", "127.0.0.1", str(primary)]
             self._spawn(port, "--port", str(port), *common, *replica)
-        self._wait(lambda: all(self._ping(p) for p in self.data_ports), timeout, "servers up")
-        self._wait(self._replicas_synced, timeout, "replicas in sync")
+        wait_until(lambda: all(ping(p) for p in self.data_ports), timeout, "servers up")
+        wait_until(self._replicas_synced, timeout, "replicas in sync")
         for port in self.sentinel_ports:
             config = self.folder / f"sentinel-{port}.conf"
             config.write_text(
@@ -55,9 +77,9 @@ class RedisHA:
                 f"sentinel failover-timeout {MASTER} 10000\n"
             )
             self._spawn(port, str(config), "--sentinel")
-        self._wait(lambda: self.primary_port() == primary, timeout, "sentinels agree")
+        wait_until(lambda: self.primary_port() == primary, timeout, "sentinels agree")
         # a SENTINEL FAILOVER needs a replica the sentinels know (else NOGOODSLAVE)
-        self._wait(self._replicas_known, timeout, "replicas known to every sentinel")
+        wait_until(self._replicas_known, timeout, "replicas known to every sentinel")
         return self
 
     def primary_port(self) -> int | None:
@@ -105,8 +127,8 @@ class RedisHA:
     def wait_failover(self, old_port: int, timeout: float = 30.0) -> float:
         """Seconds until the sentinels name a new primary that answers."""
         started = time.monotonic()
-        self._wait(
-            lambda: (port := self.primary_port()) not in (None, old_port) and self._ping(port),
+        wait_until(
+            lambda: (port := self.primary_port()) not in (None, old_port) and ping(port),
             timeout,
             "a new primary",
         )
@@ -136,22 +158,3 @@ class RedisHA:
             if info.get("master_link_status") != "up":
                 return False
         return True
-
-    @staticmethod
-    def _ping(port: int) -> bool:
-        try:
-            return bool(redis.Redis(port=port, socket_timeout=1).ping())
-        except redis.RedisError:
-            return False
-
-    @staticmethod
-    def _wait(check, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if check():
-                    return
-            except redis.RedisError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"Redis HA: no {what} within {timeout:.0f} s")

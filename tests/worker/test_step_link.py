@@ -149,3 +149,29 @@ def drop_the_sender(url: str, client: redis.Redis, steps: str) -> None:
         assert client.xlen(out) == 1
     finally:
         link.close()
+
+
+def test_a_write_the_demoted_primary_refused_is_sent_again_once_it_takes_writes(namespace):
+    """The primary becomes a replica (REPLICAOF, as Sentinel demotes one): the write it refused
+    with READONLY is not lost; the next write reconnects and sends it again first."""
+    with redis_server() as url, redis_server() as other_url:
+        client = redis.Redis.from_url(url)
+        other = redis.Redis.from_url(other_url)
+        out = f"{namespace}:demoted-out"
+        link = StepLink(url, f"{namespace}:steps")
+        try:
+            link.send([("PING",)])
+            port = other.connection_pool.connection_kwargs["port"]
+            client.replicaof("127.0.0.1", port)  # the link's server is a replica now
+            link.send([xadd(out, {b"m": b"1"}, 100)])  # refused: READONLY
+            wait_for(lambda: link._sender.can_read(0))
+            client.replicaof("NO", "ONE")  # the old data is gone (it synced from `other`)
+            with pytest.raises(ConnectionError, match="became a replica"):
+                link.send([xadd(out, {b"m": b"2"}, 100)])
+            link.send([xadd(out, {b"m": b"3"}, 100)])
+            wait_for(lambda: client.xlen(out) == 2)
+            assert [e[1] for e in client.xrange(out)] == [{b"m": b"1"}, {b"m": b"3"}]
+        finally:
+            link.close()
+            client.close()
+            other.close()

@@ -1,7 +1,9 @@
 """Adding a request to its stream: one script checks the queue's length and XADDs (a 429 past
 --max-queue-length), and with --redis-wait-replicas N a WAIT in the same pipeline holds the
 answer until N replicas have the entry (one connection: WAIT counts only that connection's
-writes; ../shared/reference/redis-ha.md measured +15-35 us p50 per request on loopback).
+writes; ../shared/reference/redis-ha.md measured +15-35 us p50 per request on loopback). On a
+Redis Cluster that pipeline goes to the lanes' node itself (a cluster client sends WAIT to a
+node of its choosing).
 
 A WAIT that times out short is logged and counted, and the request goes on rather than
 stalling intake (a primary left without replicas after a failover would refuse every request):
@@ -18,6 +20,7 @@ import redis.asyncio as aioredis
 
 from services.gateway.metrics import GatewayMetrics
 from shared.bus import FIELD
+from shared.redis_connect import node_client
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ class Intake:
         self.max_queue_length = max_queue_length  # entries waiting in the lanes, at most
         self.wait_replicas = wait_replicas  # --redis-wait-replicas (0: no WAIT)
         self._enqueue = client.register_script(ENQUEUE)
+        self._nodes: dict[str, aioredis.Redis] = {}  # a cluster's nodes' plain clients, by name
 
     async def add(self, keys: list[str], data: bytes) -> bytes | None:
         """The new entry's id, or None when the lanes are full. keys: the lanes, then the
@@ -54,7 +58,7 @@ class Intake:
             entry_id: bytes | None = await self._enqueue(keys=keys, args=args)
             return entry_id
         started = time.perf_counter()
-        async with self.client.pipeline(transaction=False) as pipe:
+        async with self._node_of(keys[-1]).pipeline(transaction=False) as pipe:
             await self._enqueue(keys=keys, args=args, client=pipe)
             pipe.wait(self.wait_replicas, WAIT_TIMEOUT_MS)
             entry_id, replicas = await pipe.execute()
@@ -63,3 +67,13 @@ class Intake:
             self.metrics.num_unreplicated += 1
             log.warning("a request reached %d of %d replicas", replicas, self.wait_replicas)
         return entry_id
+
+    def _node_of(self, key: str) -> aioredis.Redis:
+        """The client whose connection writes `key`: the plain one, or on a cluster the key's
+        node's own."""
+        if not isinstance(self.client, aioredis.RedisCluster):
+            return self.client
+        name = self.client.get_node_from_key(key).name
+        if name not in self._nodes:
+            self._nodes[name] = node_client(self.client, key)
+        return self._nodes[name]

@@ -1,13 +1,13 @@
 """Token events from workers to the request that waits for them.
 
-The gateway subscribes ONCE, at start-up, to its own reply channel `{ns}:reply:{gateway_id}`;
-workers PUBLISH one ReplyBatch per step with every token event for this gateway. The router
-puts each TokenEvent on the asyncio.Queue registered for its request_id. Events of unknown
-requests (finished, aborted, another gateway's) are dropped, and so are token indexes already
-delivered: a request replayed on another worker group re-sends its first tokens, and the
-client must still see one unbroken stream. Only contiguous indexes are delivered: an event
-that starts past the next index (its predecessor was published while this gateway was not
-listening) is dropped, and the request is told to resume.
+The gateway subscribes ONCE, at start-up, to its own reply channel
+`{textgen}:reply:<gateway_id>`; workers PUBLISH one ReplyBatch per step with every token event
+for this gateway. The router puts each TokenEvent on the asyncio.Queue registered for its
+request_id. Events of unknown requests (finished, aborted, another gateway's) are dropped, and
+so are token indexes already delivered: a request replayed on another worker group re-sends its
+first tokens, and the client must still see one unbroken stream. Only contiguous indexes are
+delivered: an event that starts past the next index (its predecessor was published while this
+gateway was not listening) is dropped, and the request is told to resume.
 
 When the subscription is lost (Redis went away or failed over, or the sentinels named a new
 master while the old primary still answers: shared/master_watch.py), every registered request is
@@ -34,6 +34,7 @@ from redis.exceptions import RedisError
 from shared.codec import decode
 from shared.master_watch import MasterWatch, address_of
 from shared.messages import SCHEMA_VERSION, ReplyBatch, TokenEvent
+from shared.redis_connect import pubsub_of
 
 log = logging.getLogger(__name__)
 LOST_CONNECTION = "lost the connection to Redis"
@@ -224,8 +225,9 @@ class ReplyRouter:
         resume and resubscribe with backoff (0.1 s doubling up to MAX_BACKOFF_S)."""
         delay = 0.1
         while not self._is_stopping:
-            pubsub = self.client.pubsub()
+            pubsub = None
             try:
+                pubsub = await pubsub_of(self.client)
                 seen = self.master.num_switches
                 await pubsub.subscribe(self.channel)
                 address = address_of(pubsub.connection)
@@ -249,5 +251,6 @@ class ReplyRouter:
                 delay = min(delay * 2, MAX_BACKOFF_S)
             finally:
                 self.is_subscribed = False
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):
+                        await pubsub.aclose()

@@ -8,8 +8,8 @@ one holding the fewest requests. Otherwise the request takes its lane like any o
 group that pulls it loads the adapter. Schedulers take a group's stream over once the group
 stops beating or drains (services/scheduler/intake.py), so routing never strands a request.
 
-    heartbeat g0: adapters [a1]      request for a1 -> {ns}:group:g0:requests
-    heartbeat g1: adapters [a2]      request for a3 -> {ns}:requests (its priority lane)
+    heartbeat g0: adapters [a1]      request for a1 -> {textgen}:directed:g0
+    heartbeat g1: adapters [a2]      request for a3 -> {textgen}:requests (its priority lane)
 
 The view of the groups is read at most every REFRESH_S (SMEMBERS, then the groups' heartbeats
 and drain keys in one pipelined round trip) and shared by every request of the gateway.

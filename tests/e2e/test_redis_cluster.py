@@ -1,0 +1,179 @@
+"""textgen on a Redis Cluster: three primaries with a replica each, started by the test, and
+`textgen launch --redis-url <one node> --redis-cluster` with two worker groups.
+
+The key names' hash tags (shared/channels.py) put the request lanes on one node and each group's
+streams on its own tag's node, so every command and script touches one slot (a real cluster
+refuses anything else with CROSSSLOT). Through it: greedy output equals transformers', streams
+deliver each index once, a client that goes away frees its request (the abort crosses nodes),
+intake's WAIT reaches the lanes' node (each request on a replica: --redis-wait-replicas 1), and
+`textgen queue --redis-cluster` shows both groups. A cluster flag without a node's URL is
+refused in one line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import redis
+from redis.cluster import RedisCluster as ClusterClient
+
+from shared.channels import Channels
+from shared.net import free_port
+from tests.launcher.test_launch import (
+    REPO,
+    free_port_run,
+    launch,
+    refused_launch,
+    wait_for_line,
+)
+from tests.support.redis_cluster import RedisCluster
+from tests.support.reference import greedy_ids
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
+]
+PROMPTS = ["Once upon a time", "The cat sat", "A tiny robot", "In the morning"]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def redis_cluster():
+    cluster = RedisCluster().start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def served(redis_cluster, tiny_llama):
+    """`textgen launch` on the cluster: (port, ready line, first metrics port: scheduler 0,
+    worker 0, scheduler 1, worker 1)."""
+    port, metrics_port = free_port(), free_port_run(4)
+    flags = ["--redis-url", redis_cluster.url, "--redis-cluster", "--num-groups", "2"]
+    flags += ["--redis-wait-replicas", "1", "--metrics-port", str(metrics_port)]
+    process = launch(tiny_llama, port, *flags)
+    try:
+        yield port, wait_for_line(process, "textgen is ready", timeout=180), metrics_port
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def test_the_keys_spread_over_the_nodes_as_their_tags_say(redis_cluster, served):
+    channels = Channels()  # launch's namespace
+    lanes_node = redis_cluster.port_of(channels.requests)
+    assert {redis_cluster.port_of(lane) for lane in channels.lanes} == {lanes_node}
+    assert redis_cluster.port_of(channels.directed("0")) == lanes_node
+    for group in ("0", "1"):
+        node = redis_cluster.port_of(channels.steps(group))
+        assert node != lanes_node  # so the test crosses nodes (slots 10717 vs 438 and 4503)
+        own = redis.Redis(port=node)  # a plain client: another node would answer MOVED
+        keys = [channels.worker(group), channels.heartbeat(group), channels.scheduler_stats(group)]
+        deadline = time.monotonic() + 60  # ready means serving: group 1 may come a little later
+        while own.exists(*keys) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert own.exists(*keys) == 3
+        own.xlen(channels.steps(group)), own.xlen(channels.results(group))
+
+
+async def _generate(http: httpx.AsyncClient, prompt: str) -> list[int]:
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": NEW_TOKENS, "details": True}}
+    response = await http.post("/generate", json=body)
+    assert response.status_code == 200, response.text
+    return [token["id"] for token in response.json()["details"]["tokens"]]
+
+
+async def _stream(http: httpx.AsyncClient, prompt: str) -> list[dict]:
+    events = []
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": NEW_TOKENS}}
+    async with http.stream("POST", "/generate_stream", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                events.append(json.loads(line[len("data:") :]))
+    return events
+
+
+async def _serve_all(port: int) -> tuple[list[list[int]], list[list[dict]]]:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
+        generated = asyncio.gather(*(_generate(http, p) for p in PROMPTS * 2))
+        streamed = asyncio.gather(*(_stream(http, p) for p in PROMPTS))
+        return await generated, await streamed
+
+
+def test_greedy_output_and_streams_as_without_a_cluster(served, tiny_llama):
+    port, ready, _ = served
+    assert "textgen is ready" in ready
+    generated, streamed = asyncio.run(_serve_all(port))
+    expected = [greedy_ids(tiny_llama, p, NEW_TOKENS, [2]) for p in PROMPTS]
+    assert generated == expected * 2
+    for events, ids in zip(streamed, expected, strict=True):
+        assert [e["index"] for e in events] == list(range(1, len(events) + 1))
+        assert [e["token"]["id"] for e in events] == ids
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    waits = re.search(r"^textgen_intake_wait_seconds_count ([0-9.e+]+)$", metrics, re.M)
+    assert waits and float(waits.group(1)) >= 3 * len(PROMPTS)  # WAIT 1 on each request
+    unreplicated = re.search(r"^textgen_intake_unreplicated_requests ([0-9]+)$", metrics, re.M)
+    assert unreplicated and unreplicated.group(1) == "0"  # the WAIT met the lanes' replica
+
+
+def queue_groups(redis_cluster: RedisCluster) -> list[dict]:
+    out = subprocess.run(
+        [sys.executable, "-m", "services.launcher.cli", "queue", "--redis-url", redis_cluster.url]
+        + ["--redis-cluster", "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "NAMESPACE": "textgen"},
+    )
+    assert out.returncode == 0, out.stderr
+    groups: list[dict] = json.loads(out.stdout)["groups"]
+    return groups
+
+
+def test_a_client_gone_frees_its_request_and_the_queue_shows_both_groups(redis_cluster, served):
+    port, _, metrics_port = served
+    body = {"inputs": "A tiny robot", "parameters": {"max_new_tokens": 400}}
+    with httpx.stream(
+        "POST", f"http://127.0.0.1:{port}/generate_stream", json=body, timeout=60
+    ) as response:
+        for i, _line in enumerate(response.iter_lines()):
+            if i >= 6:
+                break  # the client goes away: the gateway publishes an abort
+    client = ClusterClient.from_url(redis_cluster.url)
+    deadline = time.monotonic() + 30
+    while True:  # the scheduler heard the abort (another node's pub/sub) and freed it
+        groups = queue_groups(redis_cluster)
+        if all(g["num_running"] == 0 for g in groups) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    aborted = 0.0
+    for scheduler_port in (metrics_port, metrics_port + 2):
+        metrics = httpx.get(f"http://127.0.0.1:{scheduler_port}/metrics", timeout=10).text
+        found = re.search(
+            r'^textgen_scheduler_ended_requests_total\{status="aborted"\} (\S+)$', metrics, re.M
+        )
+        aborted += float(found.group(1)) if found else 0.0
+    assert aborted == 1  # ended by the abort, not by running out of tokens
+    assert sorted(g["group"] for g in groups) == ["0", "1"]
+    assert all(g["state"] == "ok" and g["num_running"] == 0 for g in groups), groups
+    assert all(g["num_free_blocks"] == g["num_blocks"] for g in groups), groups
+    assert client.xlen(Channels().requests) == 0  # every request acknowledged
+    client.close()
+
+
+def test_the_cluster_flag_needs_a_node_url(tiny_llama, redis_cluster):
+    line = refused_launch(tiny_llama, "--redis-cluster")
+    assert "redis_cluster needs --redis-url (a cluster node) and no sentinels" in line

@@ -1,0 +1,110 @@
+"""A Redis Cluster on loopback: three primaries and a replica of each, every one a
+`redis-server --cluster-enabled yes` child process on a free port, the 16384 slots split evenly
+by `redis-cli --cluster create` (0-5460, 5461-10922, 10923-16383)."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+import redis
+
+from tests.support.redis_ha import ping, wait_until
+
+
+def cluster_ports(count: int) -> list[int]:
+    """`count` ports nobody listens on, each with its cluster bus port (+ 10000) free too, all
+    below Linux's ephemeral range (32768 up), where no outgoing connection takes them."""
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < count:
+        port = rng.randrange(20000, 32768 - 10000)
+        try:
+            for candidate in (port, port + 10000):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+class RedisCluster:
+    def __init__(self, num_primaries: int = 3, replicas: int = 1) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="textgen-redis-cluster-"))
+        self.replicas = replicas  # of each primary
+        self.ports = cluster_ports(num_primaries * (1 + replicas))
+        self.processes: list[subprocess.Popen] = []
+
+    @property
+    def url(self) -> str:
+        """A --redis-url naming one node (the client learns the others from it)."""
+        return f"redis://127.0.0.1:{self.ports[0]}"
+
+    def start(self, timeout: float = 20.0) -> RedisCluster:
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> RedisCluster:
+        for port in self.ports:
+            folder = self.folder / str(port)
+            folder.mkdir()
+            log = (folder / "redis.log").open("w")
+            self.processes.append(
+                subprocess.Popen(
+                    ["redis-server", "--port", str(port), "--bind", "127.0.0.1"]
+                    + ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+                    + ["--save", "", "--appendonly", "no"],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=folder,
+                )
+            )
+        wait_until(lambda: all(ping(p) for p in self.ports), timeout, "nodes up")
+        nodes = [f"127.0.0.1:{port}" for port in self.ports]
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *nodes, "--cluster-yes"]
+            + ["--cluster-replicas", str(self.replicas)],
+            check=True,
+            capture_output=True,
+            timeout=timeout,
+        )
+        wait_until(self._is_ok, timeout, "cluster_state:ok on every node, replicas in sync")
+        return self
+
+    def port_of(self, key: str) -> int:
+        """The port of the node that serves `key`'s slot."""
+        client = redis.Redis(port=self.ports[0], decode_responses=True)
+        slot = client.cluster("keyslot", key)
+        for first, last, (_host, port, *_), *_replicas in client.cluster("slots"):
+            if first <= slot <= last:
+                return int(port)
+        raise LookupError(f"no node serves slot {slot}")
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=10)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _is_ok(self) -> bool:
+        for port in self.ports:
+            info = redis.Redis(port=port, socket_timeout=1, decode_responses=True).cluster("info")
+            if info.get("cluster_state") != "ok":
+                return False
+            replication = redis.Redis(port=port, socket_timeout=1).info("replication")
+            online = [replication.get(f"slave{i}", {}).get("state") for i in range(self.replicas)]
+            if replication["role"] == "master" and online != ["online"] * self.replicas:
+                return False
+            if replication["role"] == "slave" and replication["master_link_status"] != "up":
+                return False
+        return True
