@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.e2e.test_pipeline import prompt_text
+from tests.support.cluster import sse_events
 
 NUM_STREAMS = 200
 NUM_DROPPED = 20
@@ -41,13 +42,7 @@ def steps_run(metrics: str) -> int:
 
 async def stream(http: httpx.AsyncClient, i: int) -> list[dict]:
     body = {"inputs": f"Request {i} says", "parameters": {"max_new_tokens": 16 + i % 17}}
-    events = []
-    async with http.stream("POST", "/generate_stream", json=body) as response:
-        assert response.status_code == 200
-        async for line in response.aiter_lines():
-            if line.startswith("data:"):
-                events.append(json.loads(line[len("data:") :]))
-    return events
+    return await sse_events(http, body)
 
 
 async def long_generation(http: httpx.AsyncClient, max_new_tokens: int) -> dict:

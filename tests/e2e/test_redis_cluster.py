@@ -12,12 +12,8 @@ refused in one line."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 
 import httpx
@@ -28,12 +24,13 @@ from redis.cluster import RedisCluster as ClusterClient
 from shared.channels import Channels
 from shared.net import free_port
 from tests.launcher.test_launch import (
-    REPO,
     free_port_run,
     launch,
     refused_launch,
     wait_for_line,
 )
+from tests.launcher.test_queue import queue_json
+from tests.support.cluster import sse_events
 from tests.support.redis_cluster import RedisCluster
 from tests.support.reference import greedy_ids
 
@@ -95,14 +92,7 @@ async def _generate(http: httpx.AsyncClient, prompt: str) -> list[int]:
 
 
 async def _stream(http: httpx.AsyncClient, prompt: str) -> list[dict]:
-    events = []
-    body = {"inputs": prompt, "parameters": {"max_new_tokens": NEW_TOKENS}}
-    async with http.stream("POST", "/generate_stream", json=body) as response:
-        assert response.status_code == 200
-        async for line in response.aiter_lines():
-            if line.startswith("data:"):
-                events.append(json.loads(line[len("data:") :]))
-    return events
+    return await sse_events(http, {"inputs": prompt, "parameters": {"max_new_tokens": NEW_TOKENS}})
 
 
 async def _serve_all(port: int) -> tuple[list[list[int]], list[list[dict]]]:
@@ -128,21 +118,6 @@ def test_greedy_output_and_streams_as_without_a_cluster(served, tiny_llama):
     assert unreplicated and unreplicated.group(1) == "0"  # the WAIT met the lanes' replica
 
 
-def queue_groups(redis_cluster: RedisCluster) -> list[dict]:
-    out = subprocess.run(
-        [sys.executable, "-m", "services.launcher.cli", "queue", "--redis-url", redis_cluster.url]
-        + ["--redis-cluster", "--json"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "NAMESPACE": "textgen"},
-    )
-    assert out.returncode == 0, out.stderr
-    groups: list[dict] = json.loads(out.stdout)["groups"]
-    return groups
-
-
 def test_a_client_gone_frees_its_request_and_the_queue_shows_both_groups(redis_cluster, served):
     port, _, metrics_port = served
     body = {"inputs": "A tiny robot", "parameters": {"max_new_tokens": 400}}
@@ -155,7 +130,7 @@ def test_a_client_gone_frees_its_request_and_the_queue_shows_both_groups(redis_c
     client = ClusterClient.from_url(redis_cluster.url)
     deadline = time.monotonic() + 30
     while True:  # the scheduler heard the abort (another node's pub/sub) and freed it
-        groups = queue_groups(redis_cluster)
+        groups = queue_json(redis_cluster.url, "textgen", "--redis-cluster")["groups"]
         if all(g["num_running"] == 0 for g in groups) or time.monotonic() > deadline:
             break
         time.sleep(0.5)

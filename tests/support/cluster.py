@@ -3,6 +3,7 @@ N worker groups (worker + scheduler each) and M gateways, each on its own port."
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tempfile
@@ -176,3 +177,14 @@ def generated_ids(url: str, prompt: str, max_new_tokens: int, timeout: float = 1
     response = httpx.post(f"{url}/generate", json=body, timeout=timeout)
     assert response.status_code == 200, response.text
     return [token["id"] for token in response.json()["details"]["tokens"]]
+
+
+async def sse_events(http: httpx.AsyncClient, body: dict) -> list[dict]:
+    """Every event of a /generate_stream answer to `body` (asserting a 200)."""
+    events = []
+    async with http.stream("POST", "/generate_stream", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                events.append(json.loads(line[len("data:") :]))
+    return events

@@ -5,7 +5,6 @@ by `redis-cli --cluster create` (0-5460, 5461-10922, 10923-16383)."""
 from __future__ import annotations
 
 import random
-import shutil
 import socket
 import subprocess
 import tempfile
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from tests.support.redis_ha import ping, wait_until
+from tests.support.redis_ha import ping, stop_all, wait_until
 
 
 def cluster_ports(count: int) -> list[int]:
@@ -90,11 +89,7 @@ class RedisCluster:
         raise LookupError(f"no node serves slot {slot}")
 
     def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=10)
-        shutil.rmtree(self.folder, ignore_errors=True)
+        stop_all(self.processes, self.folder)
 
     def _is_ok(self) -> bool:
         for port in self.ports:

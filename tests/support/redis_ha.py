@@ -27,6 +27,15 @@ def ping(port: int) -> bool:
         return False
 
 
+def stop_all(processes: list[subprocess.Popen], folder: Path) -> None:
+    """kill -9 what still runs of `processes`, then remove `folder`."""
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def wait_until(check, timeout: float, what: str) -> None:
     """Return once check() is true (a Redis error counts as false); TimeoutError naming `what`
     after `timeout` seconds."""
@@ -135,11 +144,7 @@ class RedisHA:
         return time.monotonic() - started
 
     def stop(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=10)
-        shutil.rmtree(self.folder, ignore_errors=True)
+        stop_all(list(self.processes.values()), self.folder)
 
     def _replicas_known(self) -> bool:
         for port in self.sentinel_ports:
