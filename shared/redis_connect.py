@@ -19,6 +19,23 @@ if TYPE_CHECKING:
     from shared.settings import Settings
 
 
+class DemotedWhileBlocked(redis.ConnectionError):
+    """Redis's UNBLOCKED reply: it ended a blocking command (XREAD BLOCK, XREADGROUP BLOCK)
+    because it stopped being a primary (a failover demoted it). The services recover as from a
+    lost connection, and a cluster client asks the cluster where the key went (as redis-py's
+    ResponseError, the scheduler and worker loops would end)."""
+
+
+def _recover_from_unblocked() -> None:
+    """redis-py's parsers (its own and hiredis's) raise DemotedWhileBlocked for UNBLOCKED."""
+    from redis._parsers.base import BaseParser
+
+    BaseParser.EXCEPTION_CLASSES.setdefault("UNBLOCKED", DemotedWhileBlocked)
+
+
+_recover_from_unblocked()
+
+
 def redact_url(url: str | None) -> str:
     """`url` safe to log: the password (user:PASSWORD@ or ?password=) replaced by `***`."""
     if not url:

@@ -8,10 +8,12 @@ for Redis between two steps:
   while the step before it computes and is only parsed when that step ends;
 - out: a step's PUBLISHes and XADD leave in one write; their replies are read later, those
   already arrived before each write (an error reply is logged and counted). A write that a
-  demoted primary refused (READONLY: Sentinel made it a replica) is not lost: both
-  connections are dropped, the next write reconnects to the master the sentinels name and
-  sends that batch again first (a result or event twice is harmless: the scheduler keys results
-  by step, the gateway delivers each token index once).
+  demoted primary refused (READONLY: Sentinel made it a replica; MOVED: a Redis Cluster moved
+  the group's slot) is not lost: both connections are dropped, the next write reconnects to
+  the master the sentinels name (or the node serving the slot) and sends that batch again first
+  (a result or event twice is harmless: the scheduler keys results by step, the gateway
+  delivers each token index once). A read the server ended because it was demoted (UNBLOCKED)
+  or that a cluster answered MOVED raises a ConnectionError, and the retry reconnects.
 - a new master named by the sentinels (shared/master_watch.py; a graceful failover leaves the
   old primary up and writable for seconds): the next read or write closes both connections
   and raises MasterMoved, and the caller's retry reaches the new master.
@@ -115,12 +117,14 @@ class StepLink:
             if not self._is_reading:
                 self._send_read(block_ms)
             reply = self._reader.read_response()
-        except BaseException:
+        except BaseException as exc:
             self._reader.disconnect()  # the XREAD out, if any, is abandoned with it
             # the same server: the sender's connection is as dead, and a write into a socket
             # the server closed can seem to succeed (its loss shows only at the next write)
             self._sender.disconnect()
             self._forget_unanswered()
+            if isinstance(exc, MovedError):  # a cluster moved the group's slot: reconnect
+                raise ConnectionError(f"the steps stream moved to {exc}") from exc
             raise
         finally:
             self._is_reading = False

@@ -24,6 +24,7 @@ from redis.cluster import RedisCluster as ClusterClient
 from shared.channels import Channels
 from shared.net import free_port
 from tests.launcher.test_launch import (
+    children_of,
     free_port_run,
     launch,
     refused_launch,
@@ -41,6 +42,7 @@ pytestmark = [
 ]
 PROMPTS = ["Once upon a time", "The cat sat", "A tiny robot", "In the morning"]
 NEW_TOKENS = 24
+FAILOVER_TOKENS = 300
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +57,14 @@ def redis_cluster():
 @pytest.fixture(scope="module")
 def served(redis_cluster, tiny_llama):
     """`textgen launch` on the cluster: (port, ready line, first metrics port: scheduler 0,
-    worker 0, scheduler 1, worker 1)."""
+    worker 0, scheduler 1, worker 1; the launcher's process)."""
     port, metrics_port = free_port(), free_port_run(4)
     flags = ["--redis-url", redis_cluster.url, "--redis-cluster", "--num-groups", "2"]
     flags += ["--redis-wait-replicas", "1", "--metrics-port", str(metrics_port)]
     process = launch(tiny_llama, port, *flags)
     try:
-        yield port, wait_for_line(process, "textgen is ready", timeout=180), metrics_port
+        ready = wait_for_line(process, "textgen is ready", timeout=180)
+        yield port, ready, metrics_port, process
     finally:
         process.terminate()
         process.wait(timeout=60)
@@ -103,7 +106,7 @@ async def _serve_all(port: int) -> tuple[list[list[int]], list[list[dict]]]:
 
 
 def test_greedy_output_and_streams_as_without_a_cluster(served, tiny_llama):
-    port, ready, _ = served
+    port, ready, _, _ = served
     assert "textgen is ready" in ready
     generated, streamed = asyncio.run(_serve_all(port))
     expected = [greedy_ids(tiny_llama, p, NEW_TOKENS, [2]) for p in PROMPTS]
@@ -119,7 +122,7 @@ def test_greedy_output_and_streams_as_without_a_cluster(served, tiny_llama):
 
 
 def test_a_client_gone_frees_its_request_and_the_queue_shows_both_groups(redis_cluster, served):
-    port, _, metrics_port = served
+    port, _, metrics_port, _ = served
     body = {"inputs": "A tiny robot", "parameters": {"max_new_tokens": 400}}
     with httpx.stream(
         "POST", f"http://127.0.0.1:{port}/generate_stream", json=body, timeout=60
@@ -152,3 +155,37 @@ def test_a_client_gone_frees_its_request_and_the_queue_shows_both_groups(redis_c
 def test_the_cluster_flag_needs_a_node_url(tiny_llama, redis_cluster):
     line = refused_launch(tiny_llama, "--redis-cluster")
     assert "redis_cluster needs --redis-url (a cluster node) and no sentinels" in line
+
+
+async def _through_failovers(port: int, redis_cluster: RedisCluster) -> tuple[list, list, list]:
+    """Streams undisturbed, then the same streams while the lanes' node and the groups' node
+    fail over one after the other: (undisturbed, disturbed, failover seconds)."""
+    body = {"parameters": {"max_new_tokens": FAILOVER_TOKENS}}
+    channels = Channels()
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
+        undisturbed = [await sse_events(http, {**body, "inputs": p}) for p in PROMPTS]
+        streams = [
+            asyncio.create_task(sse_events(http, {**body, "inputs": p})) for p in PROMPTS * 2
+        ]
+        await asyncio.sleep(0.2)
+        seconds = []
+        for key in (channels.requests, channels.steps("0")):
+            seconds.append(await asyncio.to_thread(redis_cluster.fail_over, key))
+        disturbed = await asyncio.wait_for(asyncio.gather(*streams), 120)
+        after = [await sse_events(http, {**body, "inputs": p}) for p in PROMPTS]
+    return undisturbed, [*disturbed, *after], seconds
+
+
+def test_streams_go_on_through_graceful_failovers_of_the_nodes(served, redis_cluster):
+    """Last in this module: it moves the primaries. CLUSTER FAILOVER of the lanes' node, then
+    of the groups' node, while 8 streams run; each stream, and those after, as undisturbed."""
+    port, _, _, launcher = served
+    children = children_of(launcher.pid)
+    undisturbed, disturbed, seconds = asyncio.run(_through_failovers(port, redis_cluster))
+    assert children_of(launcher.pid) == children  # no service died (and was restarted)
+    print(f"failovers took {seconds[0]:.1f} and {seconds[1]:.1f} s")
+    expected = [[e["token"]["id"] for e in events] for events in undisturbed]
+    for i, events in enumerate(disturbed):
+        assert "error" not in events[-1], events[-1]
+        assert [e["index"] for e in events] == list(range(1, len(events) + 1))
+        assert [e["token"]["id"] for e in events] == expected[i % len(PROMPTS)]

@@ -175,3 +175,29 @@ def test_a_write_the_demoted_primary_refused_is_sent_again_once_it_takes_writes(
             link.close()
             client.close()
             other.close()
+
+
+def test_a_read_the_server_unblocked_raises_a_connection_error_and_the_retry_reads(namespace):
+    """Redis ends a blocked XREAD with UNBLOCKED when a failover demotes it (CLIENT UNBLOCK ...
+    ERROR gives the same reply): the link raises a Redis connection error, which the worker
+    retries, instead of a ResponseError that would end its loop; the retry reads on."""
+    with redis_server() as url:
+        client = redis.Redis.from_url(url)
+        steps = f"{namespace}:unblocked"
+        link = StepLink(url, steps)
+        try:
+            client.xadd(steps, {b"m": b"0"})
+            assert len(link.read(block_ms=10_000)) == 1  # and the next XREAD blocks 10 s
+
+            def blocked() -> list[dict]:
+                return [c for c in client.client_list() if c["cmd"] == "xread"]
+
+            wait_for(lambda: bool(blocked()))
+            client.client_unblock(int(blocked()[0]["id"]), error=True)
+            with pytest.raises(redis.ConnectionError, match="UNBLOCKED|unblocked"):
+                link.read()
+            entry = client.xadd(steps, {b"m": b"1"})
+            assert [entry_id for entry_id, _ in link.read()] == [entry]
+        finally:
+            link.close()
+            client.close()

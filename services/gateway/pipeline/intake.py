@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import MovedError
 
 from services.gateway.metrics import GatewayMetrics
 from shared.bus import FIELD
@@ -58,15 +60,25 @@ class Intake:
             entry_id: bytes | None = await self._enqueue(keys=keys, args=args)
             return entry_id
         started = time.perf_counter()
-        async with self._node_of(keys[-1]).pipeline(transaction=False) as pipe:
-            await self._enqueue(keys=keys, args=args, client=pipe)
-            pipe.wait(self.wait_replicas, WAIT_TIMEOUT_MS)
-            entry_id, replicas = await pipe.execute()
+        try:
+            entry_id, replicas = await self._add_waiting(keys, args)
+        except MovedError:  # a cluster's failover or resharding moved the lanes: ask again
+            await self.client.nodes_manager.initialize()  # type: ignore[attr-defined]
+            log.info("the request lanes moved to another Redis Cluster node")
+            entry_id, replicas = await self._add_waiting(keys, args)
         self.metrics.intake_wait.observe(time.perf_counter() - started)
         if entry_id is not None and replicas < self.wait_replicas:
             self.metrics.num_unreplicated += 1
             log.warning("a request reached %d of %d replicas", replicas, self.wait_replicas)
         return entry_id
+
+    async def _add_waiting(self, keys: list[str], args: list[bytes | int | str]) -> list[Any]:
+        """[entry id or None, replicas that have it]: the script and WAIT in one pipeline."""
+        async with self._node_of(keys[-1]).pipeline(transaction=False) as pipe:
+            await self._enqueue(keys=keys, args=args, client=pipe)
+            pipe.wait(self.wait_replicas, WAIT_TIMEOUT_MS)
+            replies: list[Any] = await pipe.execute()
+            return replies
 
     def _node_of(self, key: str) -> aioredis.Redis:
         """The client whose connection writes `key`: the plain one, or on a cluster the key's
