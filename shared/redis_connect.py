@@ -201,10 +201,11 @@ def client_for(settings: Settings, max_connections: int | None = None) -> aiored
 
 
 async def pubsub_of(client: aioredis.Redis) -> aioredis.client.PubSub:
-    """client.pubsub(), once a cluster client knows the slots (its commands ask the cluster
-    for them on first use; its pub/sub does not)."""
+    """client.pubsub(), a cluster client's after asking the cluster for its slots (its
+    commands follow MOVED, its pub/sub does not: a subscription lost with a failed node must
+    go to the replica that took over)."""
     if isinstance(client, aioredis.RedisCluster):
-        await client.initialize()
+        await client.nodes_manager.initialize()
     return client.pubsub()
 
 

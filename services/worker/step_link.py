@@ -9,11 +9,12 @@ for Redis between two steps:
 - out: a step's PUBLISHes and XADD leave in one write; their replies are read later, those
   already arrived before each write (an error reply is logged and counted). A write that a
   demoted primary refused (READONLY: Sentinel made it a replica; MOVED: a Redis Cluster moved
-  the group's slot) is not lost: both connections are dropped, the next write reconnects to
-  the master the sentinels name (or the node serving the slot) and sends that batch again first
-  (a result or event twice is harmless: the scheduler keys results by step, the gateway
-  delivers each token index once). A read the server ended because it was demoted (UNBLOCKED)
-  or that a cluster answered MOVED raises a ConnectionError, and the retry reconnects.
+  the group's slot; CLUSTERDOWN: it fails a node over) is not lost: both connections are
+  dropped, the next write reconnects to the master the sentinels name (or the node serving the
+  slot) and sends that batch again first (a result or event twice is harmless: the scheduler
+  keys results by step, the gateway delivers each token index once). A read the server ended
+  because it was demoted (UNBLOCKED) or that a cluster answered MOVED or CLUSTERDOWN raises a
+  ConnectionError, and the retry reconnects.
 - a new master named by the sentinels (shared/master_watch.py; a graceful failover leaves the
   old primary up and writable for seconds): the next read or write closes both connections
   and raises MasterMoved, and the caller's retry reaches the new master.
@@ -30,7 +31,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from redis.exceptions import MovedError, ReadOnlyError, ResponseError
+from redis.exceptions import ClusterDownError, MovedError, ReadOnlyError, ResponseError
 
 from shared.bus import REDIS_ERRORS, pairs_to_fields
 from shared.master_watch import MasterMoved, MasterWatch, address_of
@@ -123,8 +124,8 @@ class StepLink:
             # the server closed can seem to succeed (its loss shows only at the next write)
             self._sender.disconnect()
             self._forget_unanswered()
-            if isinstance(exc, MovedError):  # a cluster moved the group's slot: reconnect
-                raise ConnectionError(f"the steps stream moved to {exc}") from exc
+            if isinstance(exc, MovedError | ClusterDownError):  # a cluster failing over
+                raise ConnectionError(f"Redis Cluster: {exc}") from exc
             raise
         finally:
             self._is_reading = False
@@ -205,7 +206,7 @@ class StepLink:
                 self._sender.read_response()
             except ResponseError as exc:
                 # a demoted primary, or a cluster node that no longer serves the group's slot
-                if isinstance(exc, ReadOnlyError | MovedError):
+                if isinstance(exc, ReadOnlyError | MovedError | ClusterDownError):
                     batch[2] = True  # sent again once reconnected to the master
                 else:
                     log.error("Redis refused a worker's write: %s", exc)

@@ -157,7 +157,12 @@ def test_the_cluster_flag_needs_a_node_url(tiny_llama, redis_cluster):
     assert "redis_cluster needs --redis-url (a cluster node) and no sentinels" in line
 
 
-async def _through_failovers(port: int, redis_cluster: RedisCluster) -> tuple[list, list, list]:
+FAULTS = {"cluster-failover": RedisCluster.fail_over, "kill-9": RedisCluster.kill}
+
+
+async def _through_failovers(
+    port: int, redis_cluster: RedisCluster, fault: str
+) -> tuple[list, list, list]:
     """Streams undisturbed, then the same streams while the lanes' node and the groups' node
     fail over one after the other: (undisturbed, disturbed, failover seconds)."""
     body = {"parameters": {"max_new_tokens": FAILOVER_TOKENS}}
@@ -170,18 +175,20 @@ async def _through_failovers(port: int, redis_cluster: RedisCluster) -> tuple[li
         await asyncio.sleep(0.2)
         seconds = []
         for key in (channels.requests, channels.steps("0")):
-            seconds.append(await asyncio.to_thread(redis_cluster.fail_over, key))
+            seconds.append(await asyncio.to_thread(FAULTS[fault], redis_cluster, key))
         disturbed = await asyncio.wait_for(asyncio.gather(*streams), 120)
         after = [await sse_events(http, {**body, "inputs": p}) for p in PROMPTS]
     return undisturbed, [*disturbed, *after], seconds
 
 
-def test_streams_go_on_through_graceful_failovers_of_the_nodes(served, redis_cluster):
-    """Last in this module: it moves the primaries. CLUSTER FAILOVER of the lanes' node, then
-    of the groups' node, while 8 streams run; each stream, and those after, as undisturbed."""
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_streams_go_on_through_failovers_of_the_nodes(served, redis_cluster, fault):
+    """Last in this module: they move the primaries. A graceful CLUSTER FAILOVER, then a
+    kill -9, of the lanes' node and then of the groups' node, while 8 streams run; each stream,
+    and those after, as undisturbed, and no service dies."""
     port, _, _, launcher = served
     children = children_of(launcher.pid)
-    undisturbed, disturbed, seconds = asyncio.run(_through_failovers(port, redis_cluster))
+    undisturbed, disturbed, seconds = asyncio.run(_through_failovers(port, redis_cluster, fault))
     assert children_of(launcher.pid) == children  # no service died (and was restarted)
     print(f"failovers took {seconds[0]:.1f} and {seconds[1]:.1f} s")
     expected = [[e["token"]["id"] for e in events] for events in undisturbed]

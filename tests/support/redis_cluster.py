@@ -15,6 +15,8 @@ import redis
 
 from tests.support.redis_ha import ping, stop_all, wait_until
 
+NODE_TIMEOUT_MS = 1000
+
 
 def cluster_ports(count: int) -> list[int]:
     """`count` ports nobody listens on, each with its cluster bus port (+ 10000) free too, all
@@ -62,7 +64,9 @@ class RedisCluster:
                 subprocess.Popen(
                     ["redis-server", "--port", str(port), "--bind", "127.0.0.1"]
                     + ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
-                    + ["--save", "", "--appendonly", "no"],
+                    + ["--save", "", "--appendonly", "no"]
+                    # a primary unreachable for 1 s is failed over (the default waits 15 s)
+                    + ["--cluster-node-timeout", str(NODE_TIMEOUT_MS)],
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     cwd=folder,
@@ -81,8 +85,9 @@ class RedisCluster:
         return self
 
     def port_of(self, key: str) -> int:
-        """The port of the node that serves `key`'s slot."""
-        client = redis.Redis(port=self.ports[0], decode_responses=True)
+        """The port of the node that serves `key`'s slot, as the first live node says."""
+        alive = [port for port, p in zip(self.ports, self.processes) if p.poll() is None]
+        client = redis.Redis(port=alive[0], decode_responses=True)
         slot = client.cluster("keyslot", key)
         for first, last, (_host, port, *_), *_replicas in client.cluster("slots"):
             if first <= slot <= last:
@@ -96,6 +101,15 @@ class RedisCluster:
         replica = redis.Redis(port=primary).info("replication")["slave0"]["port"]
         started = time.monotonic()
         redis.Redis(port=replica).execute_command("CLUSTER", "FAILOVER")
+        wait_until(lambda: self.port_of(key) == replica, timeout, f"failover to {replica}")
+        return time.monotonic() - started
+
+    def kill(self, key: str, timeout: float = 30.0) -> float:
+        """kill -9 the primary serving `key`; seconds until its replica serves the slot."""
+        primary = self.port_of(key)
+        replica = redis.Redis(port=primary).info("replication")["slave0"]["port"]
+        started = time.monotonic()
+        self.processes[self.ports.index(primary)].kill()
         wait_until(lambda: self.port_of(key) == replica, timeout, f"failover to {replica}")
         return time.monotonic() - started
 

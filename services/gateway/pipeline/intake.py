@@ -62,9 +62,13 @@ class Intake:
         started = time.perf_counter()
         try:
             entry_id, replicas = await self._add_waiting(keys, args)
-        except MovedError:  # a cluster's failover or resharding moved the lanes: ask again
-            await self.client.nodes_manager.initialize()  # type: ignore[attr-defined]
-            log.info("the request lanes moved to another Redis Cluster node")
+        except (MovedError, aioredis.ConnectionError) as exc:
+            if not isinstance(self.client, aioredis.RedisCluster):
+                raise
+            # a failover or a resharding moved the lanes, or their node is gone: ask again
+            self._nodes.clear()
+            await self.client.nodes_manager.initialize()
+            log.info("the request lanes' Redis Cluster node changed (%s)", exc)
             entry_id, replicas = await self._add_waiting(keys, args)
         self.metrics.intake_wait.observe(time.perf_counter() - started)
         if entry_id is not None and replicas < self.wait_replicas:
