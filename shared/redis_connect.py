@@ -148,7 +148,7 @@ def sentinel_client(sentinels: str, asynchronous: bool = True, **options: Any) -
 # a master's failover takes seconds: redis-py's own retries would reconnect to the old address
 # (redis/redis-py#3874), so they stay few and short, and the services retry instead
 SENTINEL_RETRIES = 3
-CLUSTER_MAX_CONNECTIONS = 100  # redis-py's bound per cluster node, raised to what callers need
+MAX_CONNECTIONS = 100  # redis-py's pools' bound (per node of a cluster), raised where callers need
 
 
 def connect(
@@ -162,17 +162,17 @@ def connect(
     `sentinels` to the master they name (`url` then gives only credentials and db), or with
     `cluster` to the Redis Cluster whose node `url` names (redis-py's RedisCluster: it routes
     each command to its key's node and follows MOVED; it has every command the services send,
-    so it is typed as the plain client). `max_connections`: per server, at least (a plain
-    pool has no bound; a cluster client's is 100 per node)."""
+    so it is typed as the plain client). `max_connections`: per server, at least (redis-py's
+    pools hold 100)."""
     options: dict[str, Any] = {
         "decode_responses": False,
         "health_check_interval": 30,
         "socket_connect_timeout": 5,
+        "max_connections": max(MAX_CONNECTIONS, max_connections or 0),
     }
     if cluster:
         assert url, "a Redis Cluster node's URL"
-        bound = max(CLUSTER_MAX_CONNECTIONS, max_connections or 0)
-        cluster_client = aioredis.RedisCluster.from_url(url, max_connections=bound, **options)
+        cluster_client = aioredis.RedisCluster.from_url(url, **options)
         return cast(aioredis.Redis, cluster_client)
     if not sentinels:
         assert url, "a Redis URL or sentinels"
