@@ -181,6 +181,13 @@ async def _through_failovers(
     return undisturbed, [*disturbed, *after], seconds
 
 
+def lanes_moves(port: int) -> int:
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    found = re.search(r"^textgen_redis_master_switches ([0-9]+)$", metrics, re.M)
+    assert found is not None
+    return int(found.group(1))
+
+
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_streams_go_on_through_failovers_of_the_nodes(served, redis_cluster, fault):
     """Last in this module: they move the primaries. A graceful CLUSTER FAILOVER, then a
@@ -188,7 +195,9 @@ def test_streams_go_on_through_failovers_of_the_nodes(served, redis_cluster, fau
     and those after, as undisturbed, and no service dies."""
     port, _, _, launcher = served
     children = children_of(launcher.pid)
+    switches = lanes_moves(port)
     undisturbed, disturbed, seconds = asyncio.run(_through_failovers(port, redis_cluster, fault))
+    assert lanes_moves(port) > switches  # intake's WAIT client followed the lanes
     assert children_of(launcher.pid) == children  # no service died (and was restarted)
     print(f"failovers took {seconds[0]:.1f} and {seconds[1]:.1f} s")
     expected = [[e["token"]["id"] for e in events] for events in undisturbed]

@@ -68,7 +68,8 @@ class Intake:
             # a failover or a resharding moved the lanes, or their node is gone: ask again
             self._nodes.clear()
             await self.client.nodes_manager.initialize()
-            log.info("the request lanes' Redis Cluster node changed (%s)", exc)
+            self.metrics.redis_master_switched()
+            log.warning("the request lanes' Redis Cluster node changed (%s)", exc)
             entry_id, replicas = await self._add_waiting(keys, args)
         self.metrics.intake_wait.observe(time.perf_counter() - started)
         if entry_id is not None and replicas < self.wait_replicas:
