@@ -35,7 +35,7 @@ from redis.exceptions import ClusterDownError, MovedError, ReadOnlyError, Respon
 
 from shared.bus import REDIS_ERRORS, pairs_to_fields
 from shared.master_watch import MasterMoved, MasterWatch, address_of
-from shared.redis_connect import sync_pool
+from shared.redis_connect import DemotedWhileBlocked, sync_pool
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,9 @@ SOCKET_TIMEOUT_S = 10.0  # a Redis that stops answering (not closing) surfaces a
 MAX_UNANSWERED = 256  # commands sent and not yet answered before a write waits for replies
 TRIM_EVERY = 64  # plans read between two trims of the steps stream
 
+# what a server that is up but no longer serves the group's keys answers (a failover demoted it,
+# or a Redis Cluster moved the slot or is failing a node over)
+MOVED_ERRORS = (DemotedWhileBlocked, MovedError, ClusterDownError)
 Command = Sequence[str | bytes | int]
 Entry = tuple[bytes, dict[bytes, bytes]]  # (entry id, fields)
 
@@ -115,6 +118,7 @@ class StepLink:
         before this returns."""
         self._follow_master()
         try:
+            self._flush_refused()
             if not self._is_reading:
                 self._send_read(block_ms)
             reply = self._reader.read_response()
@@ -123,10 +127,16 @@ class StepLink:
             # the same server: the sender's connection is as dead, and a write into a socket
             # the server closed can seem to succeed (its loss shows only at the next write)
             self._sender.disconnect()
+            if not isinstance(exc, MOVED_ERRORS):
+                self._forget_unanswered()
+                raise
+            # the server is up but no longer serves the group's keys: what it left unanswered
+            # may have been refused, so it is sent again where they are now (twice is harmless)
+            self._refused = [*self._refused, *(c for batch in self._batches for c in batch[0])]
             self._forget_unanswered()
-            if isinstance(exc, MovedError | ClusterDownError):  # a cluster failing over
-                raise ConnectionError(f"Redis Cluster: {exc}") from exc
-            raise
+            if isinstance(exc, DemotedWhileBlocked):
+                raise
+            raise ConnectionError(f"Redis Cluster: {exc}") from exc
         finally:
             self._is_reading = False
         # RESP3 answers {stream: entries}, RESP2 [[stream, entries]]; None when none came
@@ -181,6 +191,15 @@ class StepLink:
             self._is_reading = False
             self._forget_unanswered()
             raise
+
+    def _flush_refused(self) -> None:
+        """Send again at once what was refused or left unanswered by a server that no longer
+        serves the group's keys: the scheduler waits for those results before it plans more,
+        so the next step's write may never come."""
+        if self._num_unanswered and self._sender.can_read(0):
+            self._drain()
+        if self._is_demoted or self._refused:
+            self.send([])  # after a demotion it reconnects first (raising once)
 
     def _forget_unanswered(self) -> None:
         self._num_unanswered = 0

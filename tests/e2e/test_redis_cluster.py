@@ -168,7 +168,9 @@ async def _through_failovers(
     body = {"parameters": {"max_new_tokens": FAILOVER_TOKENS}}
     channels = Channels()
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
-        undisturbed = [await sse_events(http, {**body, "inputs": p}) for p in PROMPTS]
+        undisturbed = await asyncio.gather(
+            *(sse_events(http, {**body, "inputs": p}) for p in PROMPTS)
+        )
         streams = [
             asyncio.create_task(sse_events(http, {**body, "inputs": p})) for p in PROMPTS * 2
         ]
@@ -177,7 +179,7 @@ async def _through_failovers(
         for key in (channels.requests, channels.steps("0")):
             seconds.append(await asyncio.to_thread(FAULTS[fault], redis_cluster, key))
         disturbed = await asyncio.wait_for(asyncio.gather(*streams), 120)
-        after = [await sse_events(http, {**body, "inputs": p}) for p in PROMPTS]
+        after = await asyncio.gather(*(sse_events(http, {**body, "inputs": p}) for p in PROMPTS))
     return undisturbed, [*disturbed, *after], seconds
 
 

@@ -50,7 +50,8 @@ class Intake:
         self.max_queue_length = max_queue_length  # entries waiting in the lanes, at most
         self.wait_replicas = wait_replicas  # --redis-wait-replicas (0: no WAIT)
         self._enqueue = client.register_script(ENQUEUE)
-        self._nodes: dict[str, aioredis.Redis] = {}  # a cluster's nodes' plain clients, by name
+        # on a cluster: the lanes' node (its name, a plain client to it)
+        self._node: tuple[str, aioredis.Redis] | None = None
 
     async def add(self, keys: list[str], data: bytes) -> bytes | None:
         """The new entry's id, or None when the lanes are full. keys: the lanes, then the
@@ -66,10 +67,8 @@ class Intake:
             if not isinstance(self.client, aioredis.RedisCluster):
                 raise
             # a failover or a resharding moved the lanes, or their node is gone: ask again
-            self._nodes.clear()
+            log.info("asking the Redis Cluster where the request lanes are (%s)", exc)
             await self.client.nodes_manager.initialize()
-            self.metrics.redis_master_switched()
-            log.warning("the request lanes' Redis Cluster node changed (%s)", exc)
             entry_id, replicas = await self._add_waiting(keys, args)
         self.metrics.intake_wait.observe(time.perf_counter() - started)
         if entry_id is not None and replicas < self.wait_replicas:
@@ -79,18 +78,23 @@ class Intake:
 
     async def _add_waiting(self, keys: list[str], args: list[bytes | int | str]) -> list[Any]:
         """[entry id or None, replicas that have it]: the script and WAIT in one pipeline."""
-        async with self._node_of(keys[-1]).pipeline(transaction=False) as pipe:
+        async with (await self._node_of(keys[-1])).pipeline(transaction=False) as pipe:
             await self._enqueue(keys=keys, args=args, client=pipe)
             pipe.wait(self.wait_replicas, WAIT_TIMEOUT_MS)
             replies: list[Any] = await pipe.execute()
             return replies
 
-    def _node_of(self, key: str) -> aioredis.Redis:
-        """The client whose connection writes `key`: the plain one, or on a cluster the key's
-        node's own."""
+    async def _node_of(self, key: str) -> aioredis.Redis:
+        """The client whose connection writes `key`: the plain one, or on a cluster the client
+        of the node serving it (every lane is in one slot); a move is counted and logged."""
         if not isinstance(self.client, aioredis.RedisCluster):
             return self.client
-        name = self.client.get_node_from_key(key).name
-        if name not in self._nodes:
-            self._nodes[name] = node_client(self.client, key)
-        return self._nodes[name]
+        node = self.client.get_node_from_key(key)
+        name = node.name if node is not None else ""
+        if self._node is None or name != self._node[0]:
+            old, self._node = self._node, (name, node_client(self.client, key))
+            if old is not None:  # replaced first: a request arriving meanwhile takes the new one
+                self.metrics.redis_master_switched()
+                log.warning("the request lanes moved to Redis Cluster node %s", name)
+                await old[1].aclose()
+        return self._node[1]
