@@ -225,7 +225,7 @@ class StepLink:
                 self._sender.read_response()
             except ResponseError as exc:
                 # a demoted primary, or a cluster node that no longer serves the group's slot
-                if isinstance(exc, ReadOnlyError | MovedError | ClusterDownError):
+                if isinstance(exc, (ReadOnlyError, *MOVED_ERRORS)):
                     batch[2] = True  # sent again once reconnected to the master
                 else:
                     log.error("Redis refused a worker's write: %s", exc)
