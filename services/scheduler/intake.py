@@ -14,6 +14,7 @@ entries go to the dead letters; aborted and expired ones are acknowledged away u
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterable
@@ -43,6 +44,12 @@ log = logging.getLogger(__name__)
 
 Taken = tuple[GenerateRequest, bytes, str]  # (request, its entry id, its lane)
 IDLE_BLOCK_MS = 1000  # an idle scheduler's wait for the next arrival, per read
+# Redis times a blocked read out only when its event loop wakes: at a command from anyone, else
+# at its next cron tick (every 1/hz s: 100 ms by default). A late-planning wait of a few ms
+# then lasted up to 100 ms whenever nothing else reached Redis (a quiet group: the worker idle
+# meanwhile, token gaps of 50-100 ms at one stream). A command on the lanes' node once the wait
+# is over wakes it, and the read ends on time.
+WAKE_AFTER_S = 0.001  # past the wait's end, before a wake-up command (and between two)
 
 
 class RequestIntake:
@@ -87,15 +94,35 @@ class RequestIntake:
         block_ms = IDLE_BLOCK_MS if block else int(wait_s * 1000)
         if not entries and block_ms >= 1:
             lanes: dict[KeyT, StreamIdT] = {stream: ">" for stream in self.streams}
-            reply: Any = await self.redis.xreadgroup(
-                SCHEDULER_GROUP, self.consumer, lanes, count=1, block=block_ms
+            read = asyncio.ensure_future(
+                self.redis.xreadgroup(
+                    SCHEDULER_GROUP, self.consumer, lanes, count=1, block=block_ms
+                )
             )
+            if not block:
+                await self._end_on_time(read, block_ms / 1000)
+            reply: Any = await read
             entries = [
                 (as_text(lane), entry_id, fields)
                 for lane, lane_entries in reply or []
                 for entry_id, fields in lane_entries
             ]
         return await self._take_all(entries)
+
+    async def _end_on_time(self, read: asyncio.Future[Any], wait_s: float) -> None:
+        """Wake Redis (WAKE_AFTER_S after `wait_s`, and every WAKE_AFTER_S after that) while
+        `read` is still blocked, so that it times out now rather than at Redis's next tick."""
+        try:
+            timeout = wait_s + WAKE_AFTER_S
+            while not (await asyncio.wait({read}, timeout=timeout))[0]:
+                # to the lanes' node, as `read` went; again while Redis's clock had not reached
+                # the read's end (it counts whole ms from the read's arrival)
+                await self.redis.exists(self.streams[-1])
+                self.metrics.plan_wait_wakes.inc()
+                timeout = WAKE_AFTER_S
+        except BaseException:
+            read.cancel()  # cancelled, or Redis failed: the caller's retry reads again
+            raise
 
     async def own_pending(self) -> list[Taken]:
         """The entries this scheduler took and has not acknowledged (a session reset by a

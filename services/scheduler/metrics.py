@@ -42,6 +42,12 @@ class SchedulerMetrics:
             "requests that arrived during a late-planning wait (they start a step sooner)",
             registry=r,
         )
+        self.plan_wait_wakes = Counter(
+            "textgen_scheduler_plan_wait_wakes",
+            "commands sent to end late-planning waits on time (Redis times a blocked read out "
+            "late when nothing else wakes it)",
+            registry=r,
+        )
         self.step_tokens = Histogram(
             "textgen_scheduler_step_tokens",
             "tokens scheduled per step",

@@ -9,6 +9,8 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
+from services.scheduler.aborts import AbortListener
+from services.scheduler.intake import RequestIntake
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.steps import DECODE_STEP_SMOOTHING, PLAN_AHEAD_FRACTION, StepChannel
 from shared.channels import Channels
@@ -20,6 +22,7 @@ from shared.messages import (
     StepResult,
     StoppingParams,
 )
+from tests.support.redis_server import redis_server
 
 
 def plan(step_id: int, *tokens: int) -> StepPlan:
@@ -82,3 +85,26 @@ async def test_the_next_plan_waits_a_share_of_a_decode_step(redis_client, namesp
     assert channel.plan_wait_s() == 0.0
     await answered(channel, StepResult(step_id=3, step_s=0.5))  # plan 4 runs from now
     assert 0 < channel.plan_wait_s() <= PLAN_AHEAD_FRACTION * channel.decode_step_s
+
+
+async def test_a_late_planning_wait_ends_on_time_when_nothing_else_reaches_redis(namespace):
+    """Redis ends a blocked read's timeout when its event loop wakes: on any command, else at
+    its next cron tick. At hz 1, five 5 ms waits for arrivals with nothing else going on took
+    ~4-5 s before the intake woke Redis at each wait's end (token gaps of up to 100 ms at one
+    stream with the default hz 10)."""
+    with redis_server() as url:
+        client = aioredis.Redis.from_url(url)
+        try:
+            await client.config_set("hz", 1)
+            channels = Channels(namespace)
+            metrics = SchedulerMetrics()
+            aborts = AbortListener(client, channels, memory_s=60)
+            intake = RequestIntake(client, channels, "c", aborts, metrics, claim_timeout=30)
+            await intake.open()
+            started = time.perf_counter()
+            for _ in range(5):
+                assert await intake.pull(room=4, block=False, wait_s=0.005) == []
+            assert time.perf_counter() - started < 1.0
+            assert metrics.plan_wait_wakes._value.get() >= 5
+        finally:
+            await client.aclose()
