@@ -11,7 +11,7 @@ import sys
 from shared.adapters import AdapterError
 from shared.model_files import ModelNotFound
 from shared.settings import add_settings_flags, describe_invalid, settings_from_args
-from shared.telemetry import setup_logging
+from shared.telemetry import exit_flushed, setup_logging
 
 COMMANDS = {
     "launch": "an embedded Redis and every service, in one command",
@@ -86,7 +86,7 @@ def run_command(command: str, settings, args: list[str]) -> int:
         run(settings)
     except KeyboardInterrupt:
         pass
-    return 0
+    exit_flushed(0)
 
 
 SECRET_FLAGS = ("--redis-url", "--api-key")  # passed to children in the environment instead

@@ -43,7 +43,7 @@ from shared.messages import GenerateRequest
 log = logging.getLogger(__name__)
 
 Taken = tuple[GenerateRequest, bytes, str]  # (request, its entry id, its lane)
-IDLE_BLOCK_MS = 1000  # an idle scheduler's wait for the next arrival, per read
+IDLE_BLOCK_MS = 250  # an idle scheduler's wait for the next arrival, per read (a stop waits it out)
 # Redis times a blocked read out only when its event loop wakes: at a command from anyone, else
 # at its next cron tick (every 1/hz s: 100 ms by default). A late-planning wait of a few ms
 # then lasted up to 100 ms whenever nothing else reached Redis (a quiet group: the worker idle

@@ -39,7 +39,7 @@ from shared.redis_connect import DemotedWhileBlocked, sync_pool
 
 log = logging.getLogger(__name__)
 
-BLOCK_MS = 1000  # how long one XREAD waits for a plan; stopping is checked in between
+BLOCK_MS = 250  # how long one XREAD waits for a plan; stopping is checked in between
 STOPPING_BLOCK_MS = 250  # the same once the worker is stopping (it ends at the first empty one)
 SOCKET_TIMEOUT_S = 10.0  # a Redis that stops answering (not closing) surfaces as TimeoutError
 MAX_UNANSWERED = 256  # commands sent and not yet answered before a write waits for replies
