@@ -18,9 +18,8 @@ $(VENV)/.installed: pyproject.toml
 serve: $(VENV)/.installed
 	$(VENV)/bin/textgen launch --model-id "$(MODEL_ID)" --port $(PORT)
 
-# two test processes, a module each at a time; tests marked `serial` run alone (tests/conftest.py)
 test: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check shared services tests

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
-import tempfile
 import uuid
 from pathlib import Path
 
@@ -64,26 +62,6 @@ def pytest_collection_modifyitems(config, items):
         return
     for item in gpu_items:
         item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
-
-
-@pytest.fixture(autouse=True)
-def _serial_alone(request):
-    """Under pytest-xdist (`make test`: two processes) a test marked `serial` runs alone: it
-    times failovers, pauses or latencies that the other process's test would stretch. Every test
-    holds a shared lock, a serial one the exclusive lock; a serial test also holds the
-    turnstile every test passes first, so the other process starts nothing new meanwhile."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:  # one process: nothing runs beside it
-        yield
-        return
-    is_serial = request.node.get_closest_marker("serial") is not None
-    base = Path(tempfile.gettempdir()) / f"textgen-tests-{run}"
-    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        fcntl.flock(lock, fcntl.LOCK_EX if is_serial else fcntl.LOCK_SH)
-        if not is_serial:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-        yield  # closing the files releases what is held
 
 
 @pytest.fixture(scope="session")

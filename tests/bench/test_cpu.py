@@ -44,7 +44,6 @@ def test_percent_of_core():
 
 
 @pytest.mark.skipif(not cpu.PROC.is_dir(), reason="needs /proc")
-@pytest.mark.serial  # a busy child's CPU time in 0.8 s
 def test_snapshot_follows_a_live_process_tree():
     # a parent whose child (named like a worker) burns CPU: the child's time counts as "worker"
     burn = "import time; end = time.time() + 1.5\nwhile time.time() < end: pass"

@@ -21,7 +21,7 @@ from tests.support.cluster import sse_events
 
 NUM_STREAMS = 200
 NUM_DROPPED = 20
-pytestmark = [pytest.mark.timeout(240), pytest.mark.serial]  # 200 streams, with deadlines
+pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")

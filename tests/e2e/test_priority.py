@@ -13,7 +13,7 @@ import pytest
 from tests.e2e.conftest import CLUSTER_ARGS
 from tests.support.cluster import Cluster
 
-pytestmark = [pytest.mark.integration, pytest.mark.serial]  # it bounds a queue wait
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,6 @@ from tests.support.reference import greedy_ids
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.serial,  # failovers under load, with deadlines
     pytest.mark.timeout(300),
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
 ]

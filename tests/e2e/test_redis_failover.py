@@ -25,7 +25,6 @@ from tests.support.redis_ha import RedisHA
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.serial,  # it bounds the pauses
     pytest.mark.slow,
     pytest.mark.timeout(300),
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),

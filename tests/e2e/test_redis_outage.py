@@ -20,7 +20,7 @@ from tests.support.cluster import Cluster
 from tests.support.redis_server import free_port
 
 NUM_STREAMS = 6
-pytestmark = [pytest.mark.timeout(240), pytest.mark.serial]  # it bounds 503s and pauses
+pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ import contextlib
 import time
 
 import httpx
-import pytest
 import redis.asyncio as aioredis
 
 from services.gateway.pipeline.tokenizer import TextTokenizer
@@ -294,7 +293,6 @@ async def test_overload_and_disconnect(settings, peer):
             assert 'tgi_request_failure{err="overloaded"} 2' in metrics
 
 
-@pytest.mark.serial  # answered within 5 s
 async def test_redis_down_is_503(tokenizer_dir):
     settings = Settings(redis_url=f"redis://127.0.0.1:{free_port()}/0", model_id=str(tokenizer_dir))
     with serve(settings) as url:

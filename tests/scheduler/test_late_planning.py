@@ -87,7 +87,6 @@ async def test_the_next_plan_waits_a_share_of_a_decode_step(redis_client, namesp
     assert 0 < channel.plan_wait_s() <= PLAN_AHEAD_FRACTION * channel.decode_step_s
 
 
-@pytest.mark.serial  # five waits well under a second
 async def test_a_late_planning_wait_ends_on_time_when_nothing_else_reaches_redis(namespace):
     """Redis ends a blocked read's timeout when its event loop wakes: on any command, else at
     its next cron tick. At hz 1, five 5 ms waits for arrivals with nothing else going on took
