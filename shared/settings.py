@@ -205,6 +205,11 @@ class Settings(BaseSettings):
         "0: none (every step eager); default: 1, 2, 4, 8, then every 16 up to "
         "--max-batch-size",
     )
+    disable_compile: bool = Field(
+        False,
+        description="on CUDA, capture the decode graphs from transformers' modules as they are "
+        "instead of torch.compile's fused kernels (a faster start, slower small batches)",
+    )
     fake_step_ms: float | None = Field(
         None, description="simulate the worker: each step takes this long, no model is loaded"
     )

@@ -71,6 +71,7 @@ class Engine:
         cpu_kernels: bool = True,
         max_loras: int = 4,
         cuda_graphs: list[int] | None = None,
+        compile: bool = True,
     ) -> None:
         self.loaded = (
             model_id
@@ -88,6 +89,7 @@ class Engine:
             speculate=speculate,
             max_loras=max_loras,
             cuda_graphs=cuda_graphs,
+            compile=compile,
         )
         # the scheduler service's policy (watermark included) for this runner, as announced
         ready = ready_message(

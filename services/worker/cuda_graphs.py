@@ -23,6 +23,7 @@ layer, which is what decides the step time of small models on a GPU.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -34,7 +35,14 @@ import torch
 from services.worker import flash_attention
 from services.worker.backends import PackedBatch, TransformersPaged
 from services.worker.kv_cache import PagedKVCache
-from services.worker.paged_attention import METADATA_KWARG, AttentionMetadata, RowTables
+from services.worker.lora import HOOKED
+from services.worker.paged_attention import (
+    GRAPH_STEP,
+    IN_GRAPH,
+    METADATA_KWARG,
+    AttentionMetadata,
+    RowTables,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,17 +104,27 @@ class CudaPaged(TransformersPaged):
 
     name = TRITON
     spare_blocks = 1  # the padding rows' block (graph replays)
+    compiler: Any = "inductor"  # torch.compile's backend for the decode graphs
 
     def __init__(
-        self, model: torch.nn.Module, device: torch.device, sizes: list[int], flash: bool = False
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        sizes: list[int],
+        flash: bool = False,
+        compile: bool = False,
     ) -> None:
         super().__init__(model, device)
         self.sizes = sorted(set(sizes))  # batch sizes with a graph (empty: always eager)
+        # the graphs and eager steps run the model under torch.compile (`compiled`); False
+        # without graphs (quantized and tensor-parallel groups) or once compiling failed
+        self.compile = compile and bool(self.sizes)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.static: dict[str, torch.Tensor] = {}
         self.spare_slot = 0  # the first slot of the spare block (set with the buffers)
         self.flash = flash  # flash-attn is installed: it attends the eager steps
-        self.graph_steps = 0  # steps replayed from a graph (the rest ran eagerly)
+        self.graph_steps = 0  # steps replayed from a graph
+        self.compiled_steps = 0  # steps of 2 tokens or more run by the compiled model
         self.name = flash_attention.FLASH_ATTN if flash else TRITON
 
     def block_size(self, requested: int, device: torch.device, shape: Any) -> int:
@@ -159,7 +177,45 @@ class CudaPaged(TransformersPaged):
             step.graph.replay()
             self.graph_steps += 1
             return step.logits[: step.num_rows]  # rows == range(num_rows): one decode each
+        if (
+            self.compile
+            and batch.input_ids.shape[1] > 1
+            and self.int8_rows is None
+            and not hasattr(self.model, HOOKED)  # LoRA hooks: transformers' modules as they are
+        ):
+            # the compiled step's shape: 2 tokens or more, 2 kept rows or more (padded), plain
+            # tensors (not inference tensors), as the graphs' static buffers are
+            kept = rows if len(rows) > 1 else (rows * 2 or [0, 0])
+            with torch.inference_mode(False):
+                keep = torch.tensor(kept, dtype=torch.long).to(self.device, non_blocking=True)
+                ids, positions = batch.input_ids.clone(), batch.position_ids.clone()
+            with torch.inference_mode():
+                logits = self.run_model(ids, positions, keep, step)
+            self.compiled_steps += 1
+            return logits[: len(rows)]
         return super().forward(batch, kv_cache, rows)
+
+    def run_model(
+        self,
+        input_ids: torch.Tensor,  # [1, num_tokens]
+        position_ids: torch.Tensor,  # [1, num_tokens]
+        keep: torch.Tensor,  # [num_kept] long: the packed rows whose logits are kept
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The model (under torch.compile where `compile`), its attention one operator per
+        layer over `meta`. [num_kept, vocab] logits"""
+        model = self.compiled if self.compile else self.model
+        GRAPH_STEP[0] = meta  # what the layers' attention operator reads
+        try:
+            return model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=keep,
+                **{METADATA_KWARG: IN_GRAPH},
+            ).logits[0]
+        finally:
+            GRAPH_STEP[0] = None
 
     def _fill(self, batch: PackedBatch, num_rows: int, size: int, block_size: int) -> None:
         """Copy the step into the static buffers; padding rows up to `size` use the spare block."""
@@ -172,8 +228,8 @@ class CudaPaged(TransformersPaged):
         static["row_lens"][:size].copy_(staged[:size])
         static["block_tables"][:num_rows, :max_blocks].copy_(staged[size:].view(num_rows, -1))
         static["block_tables"][num_rows:size].fill_(self.spare_slot // block_size)
-        static["input_ids"][0, :num_rows].copy_(batch.input_ids[0])
-        static["position_ids"][0, :num_rows].copy_(batch.position_ids[0])
+        static["input_ids"][:num_rows].copy_(batch.input_ids[0])
+        static["position_ids"][:num_rows].copy_(batch.position_ids[0])
         static["slot_mapping"][:num_rows].copy_(batch.slot_mapping)
         static["slot_mapping"][num_rows:size].fill_(self.spare_slot)
 
@@ -190,10 +246,11 @@ class CudaPaged(TransformersPaged):
             return torch.full(shape, fill, dtype=dtype, device=device)
 
         self.static = {
-            "input_ids": int_buffer(1, largest, fill=0, dtype=torch.long),
-            "position_ids": int_buffer(1, largest, fill=0, dtype=torch.long),
+            "input_ids": int_buffer(largest, fill=0, dtype=torch.long),
+            "position_ids": int_buffer(largest, fill=0, dtype=torch.long),
             "slot_mapping": int_buffer(largest, fill=spare_block * block_size, dtype=torch.long),
             "rows": torch.arange(largest, dtype=torch.int32, device=device),
+            "keep": torch.arange(largest, dtype=torch.long, device=device),
             "row_lens": int_buffer(largest, fill=1),
             "block_tables": int_buffer(largest, max_blocks, fill=spare_block),
         }
@@ -203,21 +260,69 @@ class CudaPaged(TransformersPaged):
         """One graph per size, largest first, sharing one memory pool."""
         if not self.sizes or self.device.type != "cuda":
             return
-        started = time.perf_counter()
         self.allocate_static(kv_cache, max_model_len)
         with torch.inference_mode():
+            if self.compile:
+                self.compile_step(kv_cache)
+            started = time.perf_counter()
             self._capture_all(kv_cache)
         log.info(
-            "CUDA graphs for decode batch sizes %s captured in %.1f s",
+            "CUDA graphs for decode batch sizes %s captured in %.1f s (%s)",
             ",".join(map(str, self.sizes)),
             time.perf_counter() - started,
+            "torch.compile's kernels" if self.compile else "eager modules",
         )
+
+    @functools.cached_property
+    def compiled(self) -> Callable[..., Any]:
+        """The model under torch.compile (inductor): the norms, rotary embeddings and
+        activations of a layer fuse into a few kernels around its matmuls and its attention
+        operator, and the Python of transformers' modules is gone from eager steps. Sizes are
+        symbolic: one compilation serves every step of 2 tokens or more, another steps of 1."""
+        return torch.compile(self.model, backend=self.compiler, dynamic=True)
+
+    def compile_step(self, kv_cache: PagedKVCache) -> None:
+        """Compile the forward pass, its padding rows writing the spare block: at the largest
+        graph's size and the smallest's, and as an eager step of 3 tokens (the shape every
+        eager step of 2 tokens or more shares: `forward`); where torch.compile fails, the
+        reason is logged and `compile` turns False (the graphs and eager steps then run
+        transformers' modules as they are)."""
+        started = time.perf_counter()
+        static = self.static
+        try:
+            for size in {self.sizes[-1], self.sizes[0]}:
+                self.step_function(kv_cache, size)()
+            if self.sizes[-1] >= 3:
+                with torch.inference_mode(False):  # plain tensors, as `forward` passes
+                    keep = torch.tensor([0, 2], device=self.device)
+                    ids = static["input_ids"][:3][None].clone()
+                    positions = static["position_ids"][:3][None].clone()
+                self.run_model(ids, positions, keep, self._static_meta(kv_cache, 3))
+        except Exception as exc:  # noqa: BLE001  # any failure of the compiler: run eagerly
+            log.warning("torch.compile failed, decode graphs hold the eager modules: %r", exc)
+            torch._dynamo.reset()
+            self.compile = False
+            return
+        log.info("decode step compiled in %.1f s", time.perf_counter() - started)
 
     def step_function(self, kv_cache: PagedKVCache, size: int) -> Callable[[], torch.Tensor]:
         """The forward pass of a decode step of `size` rows over the static buffers: what a
         graph captures. [size, vocab] logits"""
         static = self.static
-        meta = AttentionMetadata(
+        meta = self._static_meta(kv_cache, size)
+        return (
+            lambda: self.run_model(
+                static["input_ids"][:size][None],  # [1, size], as contiguous as an eager step's
+                static["position_ids"][:size][None],
+                static["keep"][:size],
+                meta,
+            )
+        )
+
+    def _static_meta(self, kv_cache: PagedKVCache, size: int) -> AttentionMetadata:
+        """A decode step of `size` rows over the static buffers, as the attention reads it."""
+        static = self.static
+        return AttentionMetadata(
             kv_cache=kv_cache,
             slot_mapping=static["slot_mapping"][:size],
             query_start=[],
@@ -231,17 +336,6 @@ class CudaPaged(TransformersPaged):
                 block_tables=static["block_tables"][:size],
             ),
         )
-
-        def run() -> torch.Tensor:
-            return self.model(
-                input_ids=static["input_ids"][:, :size],
-                position_ids=static["position_ids"][:, :size],
-                use_cache=False,
-                logits_to_keep=0,
-                **{METADATA_KWARG: meta},
-            ).logits[0]
-
-        return run
 
     def _capture_all(self, kv_cache: PagedKVCache) -> None:
         device = self.device

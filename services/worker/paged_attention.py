@@ -136,10 +136,54 @@ def paged_attention_forward(
     softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    meta: AttentionMetadata = kwargs[METADATA_KWARG]
+    meta: AttentionMetadata | str = kwargs[METADATA_KWARG]
     if softcap:
         raise NotImplementedError("attention logit soft-capping is not supported yet")
     layer: int = module.layer_idx  # type: ignore[assignment]  # an int set by transformers
+    if isinstance(meta, str):  # IN_GRAPH: torch.compile sees one opaque op per layer
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return in_graph_attention(query, key, value, layer, scale, sliding_window or 0), None
+    return attend(meta, layer, query, key, value, scaling, sliding_window), None
+
+
+# the metadata of the step being traced, captured or run through IN_GRAPH (set by the caller:
+# services/worker/cuda_graphs.py)
+IN_GRAPH = "in-graph"  # METADATA_KWARG's value: the metadata is GRAPH_STEP[0]
+GRAPH_STEP: list[AttentionMetadata | None] = [None]
+
+
+@torch.library.custom_op("textgen::paged_attention", mutates_args=())
+def in_graph_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: int,
+    scaling: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    """`attend` as one operator that torch.compile does not look into (it writes the cache and
+    launches the Triton kernel), over the metadata in GRAPH_STEP."""
+    meta = GRAPH_STEP[0]
+    assert meta is not None, "no graph step is set"
+    return attend(meta, layer, query, key, value, scaling, sliding_window or None)
+
+
+@in_graph_attention.register_fake
+def _in_graph_attention_shape(query, key, value, layer, scaling, sliding_window):
+    return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+
+
+def attend(
+    meta: AttentionMetadata,
+    layer: int,
+    query: torch.Tensor,  # [1, num_heads, num_tokens, head_dim]
+    key: torch.Tensor,  # [1, num_kv_heads, num_tokens, head_dim]
+    value: torch.Tensor,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Write the step's keys and values of `layer` into the cache, then attend every query
+    over its request's cached tokens. [1, num_tokens, num_heads, head_dim]"""
     k_cache = meta.kv_cache.keys[layer]  # [num_slots, num_kv_heads, head_dim]
     v_cache = meta.kv_cache.values[layer]
     k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
@@ -147,7 +191,7 @@ def paged_attention_forward(
     if meta.flash is not None:
         q = query[0].transpose(0, 1)  # [num_tokens, num_heads, head_dim]
         out = flash_attention.attend(q, k_cache, v_cache, meta.flash, scaling, sliding_window)
-        return out.unsqueeze(0), None  # [1, num_tokens, num_heads, head_dim]
+        return out.unsqueeze(0)
 
     num_tokens = query.shape[2]
     out = torch.empty(
@@ -192,7 +236,7 @@ def paged_attention_forward(
             enable_gqa=q.shape[0] != k.shape[0],
         )  # [num_heads, q_len, head_dim]
         out[start:end] = attended.transpose(0, 1)
-    return out.unsqueeze(0), None  # [1, num_tokens, num_heads, head_dim]
+    return out.unsqueeze(0)
 
 
 def _attend_decodes(

@@ -38,11 +38,14 @@ log = logging.getLogger(__name__)
 
 
 def pick_backend(
-    loaded: LoadedModel, fake_step_ms: float | None = None, cuda_graphs: list[int] | None = None
+    loaded: LoadedModel,
+    fake_step_ms: float | None = None,
+    cuda_graphs: list[int] | None = None,
+    compile: bool = True,
 ) -> ForwardBackend:
     """What runs the forward pass of `loaded` (services/worker/backends.py has the table).
     cuda_graphs: the decode batch sizes to capture on CUDA (None: default_sizes; quantized and
-    tensor-parallel models run eagerly)."""
+    tensor-parallel models run eagerly); `compile`: the graphs hold torch.compile's kernels."""
     if fake_step_ms is not None:
         return Simulated(fake_step_ms, vocab_size_of(loaded.folder), loaded.eos_token_ids)
     if loaded.runner == FALLBACK:
@@ -55,7 +58,7 @@ def pick_backend(
     if loaded.device.type == "cuda" or flash:
         eager = loaded.quantize is not None or loaded.world_size > 1
         sizes = [] if eager else cuda_graphs or []
-        return CudaPaged(loaded.model, loaded.device, sizes, flash)
+        return CudaPaged(loaded.model, loaded.device, sizes, flash, compile)
     return PagedSdpa(loaded.model, loaded.device)
 
 
@@ -73,6 +76,7 @@ def build_runner(
     metrics: WorkerMetrics | None = None,
     max_loras: int = 0,
     cuda_graphs: list[int] | None = None,
+    compile: bool = True,
 ) -> ModelRunner:
     """The runner of `loaded` with its KV cache: `num_blocks` blocks when given (a
     tensor-parallel rank takes rank 0's), else as many as `kv_cache_memory` bytes (default: a
@@ -80,11 +84,12 @@ def build_runner(
     `grammar_compile_timeout` None: no constrained decoding (a request with a constraint fails
     with the reason), as on the ranks of a tensor-parallel group. `max_loras`: LoRA adapters
     held at once (0: none; a request naming one fails with the reason). `cuda_graphs`: decode
-    batch sizes captured on CUDA (None: 1, 2, 4, 8, then every 16 up to max_batch_size)."""
+    batch sizes captured on CUDA (None: 1, 2, 4, 8, then every 16 up to max_batch_size), from
+    torch.compile's kernels when `compile`."""
     if cuda_graphs is None:
         cuda_graphs = default_graph_sizes(max_batch_size)
     backend = pick_backend(
-        loaded, fake_step_ms, [size for size in cuda_graphs if size <= max_batch_size]
+        loaded, fake_step_ms, [size for size in cuda_graphs if size <= max_batch_size], compile
     )
     block_size = backend.block_size(block_size, loaded.device, loaded.cache_shape)
     if num_blocks is None:

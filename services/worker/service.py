@@ -77,6 +77,7 @@ class WorkerService:
             metrics=self.metrics,
             max_loras=settings.max_loras,
             cuda_graphs=parse_cuda_graphs(settings.cuda_graphs),
+            compile=not settings.disable_compile,
         )
         self.metrics.kv_blocks.set(self.runner.kv_cache.num_blocks)
         # --lora-adapters, checked now (a bad one stops the worker), registered in announce()

@@ -423,10 +423,11 @@ def test_launch_refuses_a_bad_lora_adapter_in_one_line(tiny_llama, tmp_path):
 
 
 def test_launch_with_cuda_graphs(tiny_llama):
-    """--cuda-graphs (TGI's flag) reaches the worker: on a CPU host it is accepted and the
-    server serves (no graphs there); a malformed list is one line and exit 2."""
+    """--cuda-graphs (TGI's flag) and --disable-compile reach the worker: on a CPU host they
+    are accepted and the server serves (no graphs there); a malformed list is one line and
+    exit 2."""
     port = free_port()
-    process = launch(tiny_llama, port, "--cuda-graphs", "1,2,4,8")
+    process = launch(tiny_llama, port, "--cuda-graphs", "1,2,4,8", "--disable-compile")
     try:
         wait_for_line(process, "textgen is ready", timeout=120)
         body = {"inputs": "the cat", "parameters": {"max_new_tokens": 3}}

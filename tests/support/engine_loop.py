@@ -35,9 +35,11 @@ class EngineLoop(Engine):
         max_batch_prefill_tokens: int | None = None,
         max_batch_size: int = 256,
         steps_in_flight: int = 2,
+        compile: bool = False,
     ) -> None:
         super().__init__(
             loaded,
+            compile=compile,
             num_blocks=num_blocks,
             block_size=block_size,
             max_batch_prefill_tokens=max_batch_prefill_tokens,

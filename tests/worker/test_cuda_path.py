@@ -77,8 +77,9 @@ def backend(engine: EngineLoop) -> CudaPaged:
 def test_alone_and_busy_batch_with_chunked_prefill_match_generate(tiny_llama, dtype):
     loaded = load_model(str(tiny_llama), device="cuda", dtype=dtype)
     reference = cuda_reference(tiny_llama, dtype)
-    engine = EngineLoop(loaded, num_blocks=200, max_batch_prefill_tokens=64)
+    engine = EngineLoop(loaded, num_blocks=200, max_batch_prefill_tokens=64, compile=True)
     assert engine.runner.attention == TRITON and backend(engine).graphs
+    assert backend(engine).compile  # the graphs hold torch.compile's kernels
     requests = [make_request(p, max_new_tokens=8 + (i * 5) % 20) for i, p in enumerate(prompts(12))]
     expected = expected_tokens(reference, requests, loaded.eos_token_ids)
     exact = dtype == "float32"
@@ -101,6 +102,7 @@ def test_alone_and_busy_batch_with_chunked_prefill_match_generate(tiny_llama, dt
     counters = engine.scheduler.counters
     assert counters.num_prefill_chunks > 0 and counters.num_mixed_steps > 0
     assert backend(engine).graph_steps > 0  # decode steps replayed graphs
+    assert backend(engine).compiled_steps > 0  # prompt and mixed steps ran compiled
     assert engine.scheduler.blocks.num_free_blocks == 200
 
 
@@ -144,13 +146,14 @@ def test_prefix_cache_hits_and_preemption_keep_parity(tiny_llama):
     assert tight.scheduler.blocks.num_free_blocks == 12
 
 
-def test_graph_replay_equals_the_eager_step(tiny_llama):
-    """The same decode batch (5 requests: padded to the 8-row graph) through a replay and
-    through the eager path: the same logits."""
+@pytest.mark.parametrize("compile", [False, True], ids=["eager-graphs", "compiled-graphs"])
+def test_graph_replay_equals_the_eager_step(tiny_llama, compile):
+    """The same decode batch (5 requests: padded to the 8-row graph) through a replay (of the
+    eager modules' kernels, or torch.compile's) and through the eager path: the same logits."""
     loaded = load_model(str(tiny_llama), device="cuda", dtype="float32")
-    engine = EngineLoop(loaded, num_blocks=64, steps_in_flight=1)
+    engine = EngineLoop(loaded, num_blocks=64, steps_in_flight=1, compile=compile)
     graphs = backend(engine)
-    assert 8 in graphs.graphs
+    assert 8 in graphs.graphs and graphs.compile == compile
     for p in prompts(5):
         engine.add(make_request(p, max_new_tokens=40))
     engine.step()  # the prompts

@@ -161,12 +161,12 @@ def test_models_it_does_not_run_say_why(tmp_path, llama_folder):
         T.LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, vocab_size=50)
     ).to(torch.float16)
     assert "float16" in unsupported_reason(half, cpu, None, 1)
+    assert fast_decoder.build(half, cpu, None, 1, kernels.load()) is None
     # bfloat16 where oneDNN has its matmul (AVX512, AMX); an AVX2-only CPU falls back
-    bf16 = half.to(torch.bfloat16)
+    bf16 = half.to(torch.bfloat16)  # (Module.to converts `half` in place)
     reason = unsupported_reason(bf16, cpu, None, 1)
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         assert reason is None
     else:
         assert "cannot run torch.bfloat16 matmuls" in reason
-    assert fast_decoder.build(half, cpu, None, 1, kernels.load()) is None
     assert fast_decoder.build(llama, cpu, None, 1, None) is None  # --disable-cpu-kernels

@@ -114,7 +114,7 @@ def test_eager_cuda_backend_on_the_cpu_matches_transformers(tiny_llama, monkeypa
     loaded = load_model(str(tiny_llama), device="cpu", cpu_kernels=False)
     backends: list[CudaPaged] = []
 
-    def cuda_backend(loaded, fake_step_ms=None, cuda_graphs=None):
+    def cuda_backend(loaded, fake_step_ms=None, cuda_graphs=None, compile=True):
         backends.append(CudaPaged(loaded.model, loaded.device, []))
         return backends[-1]
 
@@ -151,19 +151,29 @@ class EagerReplay:
         self.replays += 1
 
 
-def test_graph_steps_on_the_cpu_match_transformers(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_graph_steps_on_the_cpu_match_transformers(tiny_llama, monkeypatch, compile):
     """The decode-graph path (static buffers, padding rows on the spare block, the smallest
     graph that fits) with each replay run eagerly: 5 and then fewer requests in graphs of 2, 4
-    and 8 rows, greedy-equal to transformers."""
+    and 8 rows, greedy-equal to transformers; as is, and traced by torch.compile (its graph
+    run by aot_eager here, the CPU's inductor being slow to build: the tracing of
+    transformers' modules around the attention operator is what is checked; inductor's
+    kernels are checked on a GPU, tests/worker/test_cuda_path.py)."""
     if torch.cuda.is_available():
         pytest.skip("the CPU run of the graph path; on a GPU, tests/worker/test_cuda_path.py")
     loaded = load_model(str(tiny_llama), device="cpu", cpu_kernels=False)
-    backend = CudaPaged(loaded.model, loaded.device, [2, 4, 8])
+    backend = CudaPaged(loaded.model, loaded.device, [2, 4, 8], compile=compile)
+    backend.compiler = "aot_eager"
     monkeypatch.setattr(runtime, "pick_backend", lambda *args, **kwargs: backend)
     engine = EngineLoop(loaded, num_blocks=40)
     cache = engine.runner.kv_cache
     assert cache.keys[0].shape[0] == 41 * 16  # the spare block
     backend.allocate_static(cache, loaded.max_model_len)
+    if compile:
+        with torch.inference_mode():
+            backend.compile_step(cache)
+        assert backend.compile
+    compiled_graphs = dict(torch._dynamo.utils.counters["stats"])
     vocab = loaded.model.config.vocab_size
     for size in backend.sizes:
         logits = torch.zeros(size, vocab)
@@ -187,6 +197,9 @@ def test_graph_steps_on_the_cpu_match_transformers(tiny_llama, monkeypatch):
     replays = {size: graph.replays for size, (graph, _) in backend.graphs.items()}
     assert replays[8] > 0 and replays[4] > 0  # 5 decodes, then 4 or 3 as requests end
     assert backend.graph_steps == sum(replays.values())
+    # prompts ran compiled too, and no step compiled anew (on a GPU that would stall serving)
+    assert (backend.compiled_steps > 0) == compile
+    assert dict(torch._dynamo.utils.counters["stats"]) == compiled_graphs
     assert int(backend.static["slot_mapping"][7]) == 40 * 16  # a padding row: the spare block
 
 
@@ -204,3 +217,26 @@ def test_cuda_graph_sizes():
             parse_cuda_graphs(bad)
     with pytest.raises(ValueError, match="cuda_graphs must be"):
         Settings(cuda_graphs="4,-1")
+
+
+def test_a_failing_compiler_leaves_the_graphs_eager(tiny_llama, monkeypatch, caplog):
+    """torch.compile failing (here its backend raises) is logged, and the graphs then hold the
+    eager modules: the worker still serves."""
+    loaded = load_model(str(tiny_llama), device="cpu", cpu_kernels=False)
+    backend = CudaPaged(loaded.model, loaded.device, [1, 4], compile=True)
+
+    def broken(graph, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    backend.compiler = broken
+    monkeypatch.setattr(runtime, "pick_backend", lambda *args, **kwargs: backend)
+    engine = EngineLoop(loaded, num_blocks=40)
+    cache = engine.runner.kv_cache
+    backend.allocate_static(cache, loaded.max_model_len)
+    with torch.inference_mode():
+        backend.compile_step(cache)
+        assert not backend.compile
+        logits = backend.step_function(cache, 4)()  # the eager modules
+    assert logits.shape == (4, loaded.model.config.vocab_size)
+    assert "torch.compile failed, decode graphs hold the eager modules" in caplog.text
+    assert "no compiler here" in caplog.text
