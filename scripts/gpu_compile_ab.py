@@ -1,0 +1,76 @@
+"""torch.compile off and on, in process, on a GPU (issue 22): for each, the batch-1 decode step
+against the HBM roofline (the whole engine step, and the graph replay alone), a batch-32 decode
+step, and the first token of one 128-token prompt (an eager step). One JSON object on stdout.
+
+    python3 scripts/gpu_compile_ab.py [SHAPE]   # a --random-model shape, default llama-3.2-1b
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+
+import torch
+
+from services.bench.ceiling import memory_roofline, timed_decode_steps
+from services.bench.random_model import build_random_model
+from services.engine import Engine
+
+KV_CACHE_BYTES = 8_000_000_000  # each engine's cache (the two load one after the other)
+
+
+def first_token_ms(engine: Engine, vocab: int, repeats: int = 5) -> float:
+    """Best of `repeats` single 128-token prompts, each distinct (no prefix-cache hit), to their
+    first token."""
+    best = float("inf")
+    for k in range(repeats):
+        prompt = [(97 * k + 31 * j) % (vocab - 3) + 3 for j in range(128)]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        engine.add(prompt, 1)
+        engine.run()
+        best = min(best, time.perf_counter() - started)
+    return round(best * 1000, 3)
+
+
+def measure(folder: str, compile: bool) -> dict:
+    started = time.perf_counter()
+    engine = Engine(folder, compile=compile, kv_cache_memory=KV_CACHE_BYTES)
+    result: dict = {"load_s": round(time.perf_counter() - started, 1)}
+    backend = engine.runner.backend
+    result["compiled"] = bool(getattr(backend, "compile", False))
+    vocab = engine.tokenizer.get_vocab_size()
+    result["first_token_ms"] = first_token_ms(engine, vocab)
+    result["roofline_batch1"] = memory_roofline(engine, 256)
+    prompts = [[(7 * i + 13 * j) % (vocab - 3) + 3 for j in range(256)] for i in range(32)]
+    step_s, sizes = timed_decode_steps(engine, prompts, 16)
+    result["decode_batch32_ms"] = round(step_s * 1000, 3)
+    result["batch32_requests_per_step"] = min(sizes)
+    result["graph_steps"] = getattr(backend, "graph_steps", 0)
+    result["compiled_steps"] = getattr(backend, "compiled_steps", 0)
+    del engine, backend
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    shape = sys.argv[1] if len(sys.argv) > 1 else "llama-3.2-1b"
+    started = time.perf_counter()
+    folder = str(build_random_model(shape))
+    report = {
+        "shape": shape,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "build_s": round(time.perf_counter() - started, 1),
+    }
+    for compile in (False, True):
+        report["compiled" if compile else "eager"] = measure(folder, compile)
+        print(json.dumps(report), flush=True)  # what is done so far, should a limit end it
+
+
+if __name__ == "__main__":
+    main()
