@@ -120,7 +120,9 @@ class CudaPaged(TransformersPaged):
         # without graphs (quantized and tensor-parallel groups) or once compiling failed
         self.compile = compile and bool(self.sizes)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.static: dict[str, torch.Tensor] = {}
+        self.static: dict[str, torch.Tensor] = {}  # the attention's tables, for every size
+        # per graph size: its input ids, positions and kept rows (`_inputs`)
+        self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.spare_slot = 0  # the first slot of the spare block (set with the buffers)
         self.flash = flash  # flash-attn is installed: it attends the eager steps
         self.graph_steps = 0  # steps replayed from a graph
@@ -228,8 +230,9 @@ class CudaPaged(TransformersPaged):
         static["row_lens"][:size].copy_(staged[:size])
         static["block_tables"][:num_rows, :max_blocks].copy_(staged[size:].view(num_rows, -1))
         static["block_tables"][num_rows:size].fill_(self.spare_slot // block_size)
-        static["input_ids"][:num_rows].copy_(batch.input_ids[0])
-        static["position_ids"][:num_rows].copy_(batch.position_ids[0])
+        input_ids, position_ids, _ = self.inputs[size]
+        input_ids[0, :num_rows].copy_(batch.input_ids[0])
+        position_ids[0, :num_rows].copy_(batch.position_ids[0])
         static["slot_mapping"][:num_rows].copy_(batch.slot_mapping)
         static["slot_mapping"][num_rows:size].fill_(self.spare_slot)
 
@@ -246,15 +249,21 @@ class CudaPaged(TransformersPaged):
             return torch.full(shape, fill, dtype=dtype, device=device)
 
         self.static = {
-            "input_ids": int_buffer(largest, fill=0, dtype=torch.long),
-            "position_ids": int_buffer(largest, fill=0, dtype=torch.long),
             "slot_mapping": int_buffer(largest, fill=spare_block * block_size, dtype=torch.long),
             "rows": torch.arange(largest, dtype=torch.int32, device=device),
-            "keep": torch.arange(largest, dtype=torch.long, device=device),
             "row_lens": int_buffer(largest, fill=1),
             "block_tables": int_buffer(largest, max_blocks, fill=spare_block),
         }
         self.spare_slot = spare_block * block_size
+        self.inputs = {size: self._inputs(size) for size in self.sizes}
+
+    def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A graph's own input ids, positions and kept rows ([1, size], [1, size], [size]):
+        plain tensors that are no views, like an eager step's, so that torch.compile traces
+        both alike (a view of a larger buffer is traced apart)."""
+        with torch.inference_mode(False):
+            ids = torch.zeros(1, size, dtype=torch.long, device=self.device)
+            return ids, ids.clone(), torch.arange(size, device=self.device)
 
     def capture(self, kv_cache: PagedKVCache, max_model_len: int) -> None:
         """One graph per size, largest first, sharing one memory pool."""
@@ -282,22 +291,20 @@ class CudaPaged(TransformersPaged):
         return torch.compile(self.model, backend=self.compiler, dynamic=True)
 
     def compile_step(self, kv_cache: PagedKVCache) -> None:
-        """Compile the forward pass, its padding rows writing the spare block: at the largest
-        graph's size and the smallest's, and as an eager step of 3 tokens (the shape every
-        eager step of 2 tokens or more shares: `forward`); where torch.compile fails, the
-        reason is logged and `compile` turns False (the graphs and eager steps then run
-        transformers' modules as they are)."""
+        """Compile the forward pass, its padding rows writing the spare block: first as an
+        eager step of 3 tokens keeping 2 rows (sizes apart: the shape every step of 2 tokens
+        or more shares, graphs included; compiled on equal sizes first, duck sizing would tie
+        them), then the smallest graph's (1 token); where torch.compile fails, the reason is
+        logged and `compile` turns False (graphs and eager steps then run transformers'
+        modules as they are)."""
         started = time.perf_counter()
-        static = self.static
         try:
+            ids, positions, _ = self._inputs(3)  # plain tensors, as `forward` passes
+            with torch.inference_mode(False):
+                keep = torch.tensor([0, 2], device=self.device)
+            self.run_model(ids, positions, keep, self._static_meta(kv_cache, 3))
             for size in {self.sizes[-1], self.sizes[0]}:
                 self.step_function(kv_cache, size)()
-            if self.sizes[-1] >= 3:
-                with torch.inference_mode(False):  # plain tensors, as `forward` passes
-                    keep = torch.tensor([0, 2], device=self.device)
-                    ids = static["input_ids"][:3][None].clone()
-                    positions = static["position_ids"][:3][None].clone()
-                self.run_model(ids, positions, keep, self._static_meta(kv_cache, 3))
         except Exception as exc:  # noqa: BLE001  # any failure of the compiler: run eagerly
             log.warning("torch.compile failed, decode graphs hold the eager modules: %r", exc)
             torch._dynamo.reset()
@@ -308,16 +315,9 @@ class CudaPaged(TransformersPaged):
     def step_function(self, kv_cache: PagedKVCache, size: int) -> Callable[[], torch.Tensor]:
         """The forward pass of a decode step of `size` rows over the static buffers: what a
         graph captures. [size, vocab] logits"""
-        static = self.static
         meta = self._static_meta(kv_cache, size)
-        return (
-            lambda: self.run_model(
-                static["input_ids"][:size][None],  # [1, size], as contiguous as an eager step's
-                static["position_ids"][:size][None],
-                static["keep"][:size],
-                meta,
-            )
-        )
+        inputs = self.inputs.get(size) or self._inputs(size)
+        return lambda: self.run_model(*inputs, meta)
 
     def _static_meta(self, kv_cache: PagedKVCache, size: int) -> AttentionMetadata:
         """A decode step of `size` rows over the static buffers, as the attention reads it."""

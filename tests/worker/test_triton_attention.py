@@ -169,11 +169,14 @@ def test_graph_steps_on_the_cpu_match_transformers(tiny_llama, monkeypatch, comp
     cache = engine.runner.kv_cache
     assert cache.keys[0].shape[0] == 41 * 16  # the spare block
     backend.allocate_static(cache, loaded.max_model_len)
+    stats = torch._dynamo.utils.counters["stats"]
+    before = stats["unique_graphs"]
     if compile:
         with torch.inference_mode():
             backend.compile_step(cache)
         assert backend.compile
-    compiled_graphs = dict(torch._dynamo.utils.counters["stats"])
+        assert stats["unique_graphs"] == before + 1  # eager steps and graphs of 2+ share one
+    compiled_graphs = dict(stats)
     vocab = loaded.model.config.vocab_size
     for size in backend.sizes:
         logits = torch.zeros(size, vocab)
