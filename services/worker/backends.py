@@ -73,6 +73,7 @@ class ForwardBackend(ABC):
     uses_paged_cache: bool = True  # False: KV blocks are only accounted, never allocated
     spare_blocks: int = 0  # KV blocks allocated past the scheduler's, for the backend's use
     graph_steps: int = 0  # steps replayed from a CUDA graph so far (CudaPaged)
+    compiled_steps: int = 0  # steps run by the compiled model outside a graph so far (CudaPaged)
 
     def block_size(self, requested: int, device: torch.device, shape: Any) -> int:
         """The KV block size the backend can read, given the one asked for."""

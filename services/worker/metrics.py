@@ -95,6 +95,11 @@ class WorkerMetrics:
             "decode steps replayed from a CUDA graph (the rest ran eagerly)",
             registry=r,
         )
+        self.compiled_steps = Counter(
+            "textgen_worker_compiled_steps",
+            "steps of 2 tokens or more run by the model under torch.compile outside a CUDA graph",
+            registry=r,
+        )
         self.requests = Gauge("textgen_worker_requests", "requests held", registry=r)
         self.kv_blocks = Gauge("textgen_worker_kv_blocks", "KV-cache blocks allocated", registry=r)
         # constrained decoding (services/worker/grammar.py)

@@ -93,7 +93,8 @@ class WorkerService:
         # every forward on the thread that loaded the model: see services/worker/main.py
         self._forward_thread = torch_thread or ThreadPoolExecutor(1, thread_name_prefix="torch")
         self._last_step_end: float | None = None  # perf_counter, on the torch thread
-        self._graph_steps = 0  # the backend's graph_steps counted into the metrics so far
+        # the backend's graph_steps and compiled_steps counted into the metrics so far
+        self._graph_steps = self._compiled_steps = 0
         self._is_cancelled = False  # the event loop gave up on the torch thread's loop
 
     def ready_message(self) -> WorkerReady:
@@ -269,9 +270,10 @@ class WorkerService:
         self.metrics.accepted_tokens.inc(result.num_accepted_tokens)
         self.metrics.grammar_waits.inc(sum(o.awaits_grammar for o in result.outputs))
         self.metrics.requests.set(len(self.runner.requests))
-        replayed = self.runner.backend.graph_steps
-        self.metrics.graph_steps.inc(replayed - self._graph_steps)
-        self._graph_steps = replayed
+        backend = self.runner.backend
+        self.metrics.graph_steps.inc(backend.graph_steps - self._graph_steps)
+        self.metrics.compiled_steps.inc(backend.compiled_steps - self._compiled_steps)
+        self._graph_steps, self._compiled_steps = backend.graph_steps, backend.compiled_steps
         if result.error:
             self.metrics.step_failures.inc()
         if self.is_last_step_ok != (not result.error):
