@@ -9,9 +9,10 @@
 #   c1:SHAPE        1 stream, and --ceiling (the batch-1 memory roofline)
 # SHAPE: a --random-model shape (smollm2-135m, llama-3.2-1b); random weights, bf16, 128-token
 # prompts, 128 new tokens. Results land in DIR: gpu.txt (progress), pytest.txt, bench.log and
-# one JSON report per stage.
+# one JSON report per stage. LAUNCH_ARGS: more flags for the launched servers, e.g.
+# "--log-level INFO" (the worker then logs how long compiling and capturing took).
 #   [BUDGET=540] [STAGES="pytest ab:llama-3.2-1b c32:llama-3.2-1b c1:llama-3.2-1b"] \
-#       scripts/gpu_check.sh DIR
+#       [LAUNCH_ARGS="..."] scripts/gpu_check.sh DIR
 set -u
 out=${1:-gpu-check}
 mkdir -p "$out"
@@ -41,6 +42,7 @@ stage() {  # NAME CAP COMMAND...: run COMMAND for at most CAP s and what is left
 # admits 512 requests (TGI's default of 128 would turn 256 streams away)
 memory=(--launch-arg=--kv-cache-memory --launch-arg=16000000000
     --launch-arg=--max-concurrent-requests --launch-arg=512)
+for arg in ${LAUNCH_ARGS:-}; do memory+=("--launch-arg=$arg"); done
 bench=(python3 -m services.launcher.cli bench --input-len-range 128:128
     --output-len-range 128:128 --json --no-progress "${memory[@]}")
 for item in ${STAGES:-pytest ab:llama-3.2-1b c32:llama-3.2-1b c1:llama-3.2-1b}; do

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import sys
 import time
 
@@ -59,6 +60,8 @@ def measure(folder: str, compile: bool) -> dict:
 
 
 def main() -> None:
+    # to stderr: how long compiling and capturing took ("decode step compiled in ...")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     shape = sys.argv[1] if len(sys.argv) > 1 else "llama-3.2-1b"
     started = time.perf_counter()
     folder = str(build_random_model(shape))
