@@ -171,6 +171,7 @@ class FastDecoderPass(ForwardBackend):
             batch.block_tables,
             kv_cache.block_size,
             batch.slot_mapping,
+            self.decoder.dense_min_keys,
         )
 
     def forward(self, batch: PackedBatch, kv_cache: PagedKVCache, rows: list[int]) -> torch.Tensor:

@@ -68,6 +68,7 @@ class StepTables:
         block_tables: list[list[int]],
         block_size: int,
         slot_mapping: torch.Tensor,
+        dense_min_keys: int | None = 0,  # dense_prefill.min_keys
     ) -> StepTables:
         table, max_blocks = PagedKVCache.padded_block_tables(block_tables, context_lens, block_size)
         tables = torch.tensor(table, dtype=torch.int64).view(len(context_lens), -1)
@@ -78,7 +79,9 @@ class StepTables:
             context_lens=lens,
             block_tables=tables,
             slot_mapping=slot_mapping,
-            split=AttentionSplit.of(query_start, context_lens, tables, starts, lens),
+            split=AttentionSplit.of(
+                query_start, context_lens, tables, starts, lens, dense_min_keys
+            ),
         )
 
 
@@ -148,8 +151,8 @@ class FastDecoder:
         self.layers = [
             self._layer(index, layer, config) for index, layer in enumerate(decoder.layers)
         ]
-        # long prompt chunks attend with torch's fused attention where it runs this dtype
-        self.is_dense_supported = dense_prefill.is_supported(self.embed.dtype)
+        # long prompt chunks attend with torch's fused attention where it is the faster
+        self.dense_min_keys = dense_prefill.min_keys(ops.level, self.embed.dtype)
         self.lm_head = PackedLinear(model.get_output_embeddings().weight.detach(), ops=ops)
         head = model.get_output_embeddings()
         if head.weight.data_ptr() != self.embed.data_ptr():  # untied: release the copy
@@ -169,7 +172,7 @@ class FastDecoder:
         split, ops = tables.split, self.ops
         window = layer.sliding_window
         too_wide = window is not None and split.longest_dense > window
-        if not split.dense or too_wide or not self.is_dense_supported:
+        if not split.dense or too_wide:
             return ops.paged_attention(
                 qkv,
                 k_cache,

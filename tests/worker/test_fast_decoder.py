@@ -83,11 +83,15 @@ def test_fast_logits_equal_the_generic_paths_in_bfloat16(llama_folder):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_long_prompt_chunks_attend_densely_with_equal_logits(llama_folder, dtype, monkeypatch):
     """Chunks of 64 tokens and more attend with torch's fused attention
-    (services/worker/dense_prefill.py): a whole prompt from the step's rows, a later chunk
-    from the paged cache; decodes beside them stay on the kernel with tables of their own.
-    The logits equal the generic path's."""
+    (services/worker/dense_prefill.py), here on every CPU (where it is the slower, the
+    policy sends no chunk there): a whole prompt from the step's rows, a later chunk from the
+    paged cache; decodes beside them stay on the kernel with tables of their own. The logits
+    equal the generic path's."""
     from services.worker import dense_prefill
     from services.worker.dense_prefill import DENSE_MIN_QUERIES, AttentionSplit
+
+    supported = dense_prefill.is_supported
+    monkeypatch.setattr(dense_prefill, "min_keys", lambda level, t: 0 if supported(t) else None)
 
     # two decodes, a chunk after 2 cached tokens (71 queries, 73 keys), a whole prompt of 101
     starts, lens = [0, 1, 2, 73, 174], [20, 30, 73, 101]
@@ -117,6 +121,31 @@ def test_long_prompt_chunks_attend_densely_with_equal_logits(llama_folder, dtype
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     else:
         torch.testing.assert_close(got, want, rtol=0, atol=0.05 * want.abs().max().item())
+
+
+def test_which_chunks_attend_densely_by_instruction_set():
+    """torch's fused attention takes the chunks where it was measured the faster: every chunk
+    of 64 queries on AMX, none on AVX512, those over 1024 keys or more on AVX2."""
+    from services.worker import dense_prefill
+    from services.worker.dense_prefill import AttentionSplit
+
+    assert dense_prefill.min_keys("amx", torch.float32) == 0
+    assert dense_prefill.min_keys("avx512", torch.float32) is None
+    assert dense_prefill.min_keys("avx2", torch.float32) == 1024
+    assert dense_prefill.min_keys("default", torch.float32) == 1024
+    # a decode, a whole prompt of 100, a chunk of 100 queries after 1000 cached tokens
+    starts, lens = [0, 1, 101, 201], [20, 100, 1100]
+    tables = torch.zeros(3, 2).long()
+
+    def dense(min_keys):
+        split = AttentionSplit.of(
+            starts, lens, tables, torch.tensor(starts), torch.tensor(lens), min_keys
+        )
+        return [request for *_, request in split.dense]
+
+    assert dense(0) == [1, 2]
+    assert dense(1024) == [2]
+    assert dense(None) == []
 
 
 def mistral_with_window(vocab_size: int):
