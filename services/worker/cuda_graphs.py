@@ -239,7 +239,7 @@ class CudaPaged(TransformersPaged):
     def allocate_static(self, kv_cache: PagedKVCache, max_model_len: int) -> None:
         """The graphs' input buffers, sized for the largest graph, padding rows on the spare
         block (plain tensors, not inference tensors: each step copies into them)."""
-        largest = self.sizes[-1]
+        largest = max(self.sizes[-1], 3)  # 3: the eager step compile_step compiles
         block_size = kv_cache.block_size
         spare_block = kv_cache.num_blocks  # allocated past the scheduler's blocks
         max_blocks = -(-max_model_len // block_size)

@@ -243,3 +243,17 @@ def test_a_failing_compiler_leaves_the_graphs_eager(tiny_llama, monkeypatch, cap
     assert logits.shape == (4, loaded.model.config.vocab_size)
     assert "torch.compile failed, decode graphs hold the eager modules" in caplog.text
     assert "no compiler here" in caplog.text
+
+
+def test_graphs_smaller_than_the_compiled_eager_step_compile(tiny_llama, monkeypatch):
+    """--cuda-graphs 1,2: the eager step compile_step compiles (3 tokens) still fits the
+    static tables, so compiling succeeds (dynamo tracing, aot_eager running it)."""
+    loaded = load_model(str(tiny_llama), device="cpu", cpu_kernels=False)
+    backend = CudaPaged(loaded.model, loaded.device, [1, 2], compile=True)
+    backend.compiler = "aot_eager"
+    monkeypatch.setattr(runtime, "pick_backend", lambda *args, **kwargs: backend)
+    cache = EngineLoop(loaded, num_blocks=40).runner.kv_cache
+    backend.allocate_static(cache, loaded.max_model_len)
+    with torch.inference_mode():
+        backend.compile_step(cache)
+    assert backend.compile
