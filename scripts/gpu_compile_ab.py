@@ -37,6 +37,30 @@ def first_token_ms(engine: Engine, vocab: int, repeats: int = 5) -> float:
     return round(best * 1000, 3)
 
 
+def kernel_times(backend, kv_cache, steps: int = 10, top: int = 25) -> list[list]:
+    """The batch-1 step's kernels run outside a graph (the same kernels a replay launches),
+    under torch.profiler: [name, calls per step, device µs per step], the most costly first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = backend.step_function(kv_cache, 1)  # its rows write the spare block
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with torch.inference_mode():
+        step()
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                step()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", 0) or 0
+        if device_us > 0:
+            rows.append([event.key[:80], event.count // steps, round(device_us / steps, 1)])
+    return sorted(rows, key=lambda row: -row[2])[:top]
+
+
 def measure(folder: str, compile: bool) -> dict:
     started = time.perf_counter()
     engine = Engine(folder, compile=compile, kv_cache_memory=KV_CACHE_BYTES)
@@ -52,6 +76,8 @@ def measure(folder: str, compile: bool) -> dict:
     result["batch32_requests_per_step"] = min(sizes)
     result["graph_steps"] = getattr(backend, "graph_steps", 0)
     result["compiled_steps"] = getattr(backend, "compiled_steps", 0)
+    if getattr(backend, "graphs", None) and 1 in backend.graphs:
+        result["batch1_kernels"] = kernel_times(backend, engine.runner.kv_cache)
     del engine, backend
     gc.collect()
     if torch.cuda.is_available():
