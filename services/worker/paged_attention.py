@@ -22,6 +22,11 @@ attended one request at a time. On CUDA (services/worker/cuda_graphs.py) decodes
 chunks are instead query rows of one Triton kernel that reads the blocks in place
 (`RowTables`, services/worker/triton_attention.py), and with flash-attn installed a layer's
 attention is one flash_attn_varlen_func call (services/worker/flash_attention.py).
+
+Under torch.compile (the CUDA path's graphs and eager steps) the keyword argument is IN_GRAPH
+instead and the metadata sits in GRAPH_STEP: each layer's attention is then one custom
+operator, `textgen::paged_attention`, that dynamo does not trace into, so inductor fuses the
+modules' element-wise work around it while the attention runs as above.
 """
 
 from __future__ import annotations
