@@ -207,8 +207,8 @@ class Settings(BaseSettings):
     )
     disable_compile: bool = Field(
         False,
-        description="on CUDA, capture the decode graphs from transformers' modules as they are "
-        "instead of torch.compile's fused kernels (a faster start, slower small batches)",
+        description="on CUDA, run transformers' modules as they are in the decode graphs and "
+        "eager steps instead of under torch.compile (a faster start, slower steps)",
     )
     fake_step_ms: float | None = Field(
         None, description="simulate the worker: each step takes this long, no model is loaded"

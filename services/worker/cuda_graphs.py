@@ -1,7 +1,9 @@
-"""The CUDA forward pass: paged attention through a Triton kernel, decode steps as CUDA graphs.
+"""The CUDA forward pass: paged attention through a Triton kernel, decode steps as CUDA graphs,
+the model under torch.compile.
 
 Eager steps (prompt chunks, mixed steps, LoRA, speculative drafts): transformers' modules with
-textgen's paged attention function. Requests of at most ROW_QUERIES queries (decodes, drafts)
+textgen's paged attention function, compiled (`CudaPaged.compiled`) for steps of 2 tokens or
+more unless LoRA hooks are on the modules. Requests of at most ROW_QUERIES queries (decodes, drafts)
 are query rows of one Triton kernel that reads their blocks in place
 (services/worker/triton_attention.py); longer prompt chunks go to PyTorch's SDPA one request at
 a time. With flash-attn installed, every request goes through flash_attn_varlen_func instead.
@@ -18,7 +20,8 @@ block that the scheduler never hands out, so they touch no request's cache:
     logits        | l0 | l1 | l2 |  -  |  -  |  -> the step's 3 rows
 
 Python and launch overhead then cost one replay per step instead of ~10 kernel launches per
-layer, which is what decides the step time of small models on a GPU.
+layer, which is what decides the step time of small models on a GPU; the graphs are captured
+from the compiled model, whose fused kernels make fewer launches still.
 """
 
 from __future__ import annotations
@@ -100,11 +103,12 @@ class GraphStep:
 
 class CudaPaged(TransformersPaged):
     """transformers' modules on CUDA: Triton paged attention, SDPA (or flash-attn) for long
-    prompt chunks, CUDA graphs for decode steps."""
+    prompt chunks, CUDA graphs for decode steps, torch.compile for both graphs and eager
+    steps."""
 
     name = TRITON
     spare_blocks = 1  # the padding rows' block (graph replays)
-    compiler: Any = "inductor"  # torch.compile's backend for the decode graphs
+    compiler: Any = "inductor"  # torch.compile's backend (the graphs and eager steps)
 
     def __init__(
         self,
@@ -179,23 +183,25 @@ class CudaPaged(TransformersPaged):
             step.graph.replay()
             self.graph_steps += 1
             return step.logits[: step.num_rows]  # rows == range(num_rows): one decode each
-        if (
-            self.compile
-            and batch.input_ids.shape[1] > 1
-            and self.int8_rows is None
-            and not hasattr(self.model, HOOKED)  # LoRA hooks: transformers' modules as they are
-        ):
-            # the compiled step's shape: 2 tokens or more, 2 kept rows or more (padded), plain
-            # tensors (not inference tensors), as the graphs' static buffers are
-            kept = rows if len(rows) > 1 else (rows * 2 or [0, 0])
-            with torch.inference_mode(False):
-                keep = torch.tensor(kept, dtype=torch.long).to(self.device, non_blocking=True)
-                ids, positions = batch.input_ids.clone(), batch.position_ids.clone()
+        # LoRA hooks on the modules: they run as they are
+        if self.compile and batch.input_ids.shape[1] > 1 and not hasattr(self.model, HOOKED):
+            inputs = self._eager_inputs(batch.input_ids, batch.position_ids, rows)
             with torch.inference_mode():
-                logits = self.run_model(ids, positions, keep, step)
+                logits = self.run_model(*inputs, step)
             self.compiled_steps += 1
             return logits[: len(rows)]
         return super().forward(batch, kv_cache, rows)
+
+    def _eager_inputs(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, rows: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """An eager step's input ids, positions and kept rows in the one shape the compiled
+        model serves them all in: 2 kept rows or more (padded), plain tensors (not inference
+        tensors), as the graphs' buffers are."""
+        kept = rows if len(rows) > 1 else (rows * 2 or [0, 0])
+        with torch.inference_mode(False):
+            keep = torch.tensor(kept, dtype=torch.long).to(self.device, non_blocking=True)
+            return input_ids.clone(), position_ids.clone(), keep
 
     def run_model(
         self,
@@ -299,10 +305,9 @@ class CudaPaged(TransformersPaged):
         modules as they are)."""
         started = time.perf_counter()
         try:
-            ids, positions, _ = self._inputs(3)  # plain tensors, as `forward` passes
-            with torch.inference_mode(False):
-                keep = torch.tensor([0, 2], device=self.device)
-            self.run_model(ids, positions, keep, self._static_meta(kv_cache, 3))
+            ids = torch.zeros(1, 3, dtype=torch.long, device=self.device)
+            inputs = self._eager_inputs(ids, ids, [0, 2])
+            self.run_model(*inputs, self._static_meta(kv_cache, 3))
             for size in {self.sizes[-1], self.sizes[0]}:
                 self.step_function(kv_cache, size)()
         except Exception as exc:  # noqa: BLE001  # any failure of the compiler: run eagerly

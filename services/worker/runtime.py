@@ -45,7 +45,8 @@ def pick_backend(
 ) -> ForwardBackend:
     """What runs the forward pass of `loaded` (services/worker/backends.py has the table).
     cuda_graphs: the decode batch sizes to capture on CUDA (None: default_sizes; quantized and
-    tensor-parallel models run eagerly); `compile`: the graphs hold torch.compile's kernels."""
+    tensor-parallel models run eagerly); `compile`: the graphs and eager steps run the model
+    under torch.compile."""
     if fake_step_ms is not None:
         return Simulated(fake_step_ms, vocab_size_of(loaded.folder), loaded.eos_token_ids)
     if loaded.runner == FALLBACK:
@@ -84,8 +85,8 @@ def build_runner(
     `grammar_compile_timeout` None: no constrained decoding (a request with a constraint fails
     with the reason), as on the ranks of a tensor-parallel group. `max_loras`: LoRA adapters
     held at once (0: none; a request naming one fails with the reason). `cuda_graphs`: decode
-    batch sizes captured on CUDA (None: 1, 2, 4, 8, then every 16 up to max_batch_size), from
-    torch.compile's kernels when `compile`."""
+    batch sizes captured on CUDA (None: 1, 2, 4, 8, then every 16 up to max_batch_size); with
+    `compile`, the graphs and eager steps run the model under torch.compile."""
     if cuda_graphs is None:
         cuda_graphs = default_graph_sizes(max_batch_size)
     backend = pick_backend(
