@@ -151,6 +151,20 @@ class EagerReplay:
         self.replays += 1
 
 
+def graphs_on_the_cpu(tiny_llama, monkeypatch, sizes, compile=False, compiler="aot_eager"):
+    """CudaPaged on the CPU (its kernel interpreted) serving an engine, with the static buffers
+    of graphs of `sizes` over the engine's cache and torch.compile's `compiler` (aot_eager: the
+    CPU's inductor is slow to build; dynamo's tracing is what these tests check).
+    (loaded, backend, engine)"""
+    loaded = load_model(str(tiny_llama), device="cpu", cpu_kernels=False)
+    backend = CudaPaged(loaded.model, loaded.device, sizes, compile=compile)
+    backend.compiler = compiler
+    monkeypatch.setattr(runtime, "pick_backend", lambda *args, **kwargs: backend)
+    engine = EngineLoop(loaded, num_blocks=40)
+    backend.allocate_static(engine.runner.kv_cache, loaded.max_model_len)
+    return loaded, backend, engine
+
+
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_graph_steps_on_the_cpu_match_transformers(tiny_llama, monkeypatch, compile):
     """The decode-graph path (static buffers, padding rows on the spare block, the smallest
@@ -161,14 +175,9 @@ def test_graph_steps_on_the_cpu_match_transformers(tiny_llama, monkeypatch, comp
     kernels are checked on a GPU, tests/worker/test_cuda_path.py)."""
     if torch.cuda.is_available():
         pytest.skip("the CPU run of the graph path; on a GPU, tests/worker/test_cuda_path.py")
-    loaded = load_model(str(tiny_llama), device="cpu", cpu_kernels=False)
-    backend = CudaPaged(loaded.model, loaded.device, [2, 4, 8], compile=compile)
-    backend.compiler = "aot_eager"
-    monkeypatch.setattr(runtime, "pick_backend", lambda *args, **kwargs: backend)
-    engine = EngineLoop(loaded, num_blocks=40)
+    loaded, backend, engine = graphs_on_the_cpu(tiny_llama, monkeypatch, [2, 4, 8], compile)
     cache = engine.runner.kv_cache
     assert cache.keys[0].shape[0] == 41 * 16  # the spare block
-    backend.allocate_static(cache, loaded.max_model_len)
     stats = torch._dynamo.utils.counters["stats"]
     before = stats["unique_graphs"]
     if compile:
@@ -225,17 +234,12 @@ def test_cuda_graph_sizes():
 def test_a_failing_compiler_leaves_the_graphs_eager(tiny_llama, monkeypatch, caplog):
     """torch.compile failing (here its backend raises) is logged, and the graphs then hold the
     eager modules: the worker still serves."""
-    loaded = load_model(str(tiny_llama), device="cpu", cpu_kernels=False)
-    backend = CudaPaged(loaded.model, loaded.device, [1, 4], compile=True)
 
     def broken(graph, example_inputs):
         raise RuntimeError("no compiler here")
 
-    backend.compiler = broken
-    monkeypatch.setattr(runtime, "pick_backend", lambda *args, **kwargs: backend)
-    engine = EngineLoop(loaded, num_blocks=40)
+    loaded, backend, engine = graphs_on_the_cpu(tiny_llama, monkeypatch, [1, 4], True, broken)
     cache = engine.runner.kv_cache
-    backend.allocate_static(cache, loaded.max_model_len)
     with torch.inference_mode():
         backend.compile_step(cache)
         assert not backend.compile
@@ -248,12 +252,7 @@ def test_a_failing_compiler_leaves_the_graphs_eager(tiny_llama, monkeypatch, cap
 def test_graphs_smaller_than_the_compiled_eager_step_compile(tiny_llama, monkeypatch):
     """--cuda-graphs 1,2: the eager step compile_step compiles (3 tokens) still fits the
     static tables, so compiling succeeds (dynamo tracing, aot_eager running it)."""
-    loaded = load_model(str(tiny_llama), device="cpu", cpu_kernels=False)
-    backend = CudaPaged(loaded.model, loaded.device, [1, 2], compile=True)
-    backend.compiler = "aot_eager"
-    monkeypatch.setattr(runtime, "pick_backend", lambda *args, **kwargs: backend)
-    cache = EngineLoop(loaded, num_blocks=40).runner.kv_cache
-    backend.allocate_static(cache, loaded.max_model_len)
+    _, backend, engine = graphs_on_the_cpu(tiny_llama, monkeypatch, [1, 2], compile=True)
     with torch.inference_mode():
-        backend.compile_step(cache)
+        backend.compile_step(engine.runner.kv_cache)
     assert backend.compile
