@@ -74,8 +74,8 @@ def measure(folder: str, compile: bool) -> dict:
     step_s, sizes = timed_decode_steps(engine, prompts, 16)
     result["decode_batch32_ms"] = round(step_s * 1000, 3)
     result["batch32_requests_per_step"] = min(sizes)
-    result["graph_steps"] = getattr(backend, "graph_steps", 0)
-    result["compiled_steps"] = getattr(backend, "compiled_steps", 0)
+    result["graph_steps"] = backend.graph_steps
+    result["compiled_steps"] = backend.compiled_steps
     if getattr(backend, "graphs", None) and 1 in backend.graphs:
         result["batch1_kernels"] = kernel_times(backend, engine.runner.kv_cache)
     del engine, backend
