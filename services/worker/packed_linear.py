@@ -1,12 +1,13 @@
 """The fast decoder's linear layers (services/worker/fast_decoder.py): weights packed once at
 load for whichever matmul runs them fastest here.
 
-A decode step is bound by the stream of its weights: every one is read once per step. At
-decode batch sizes oneDNN's packed bfloat16 matmul streams them at ~16 GB/s on two cores that
-read 28 GB/s, so on CPUs with AMX textgen runs its own (services/worker/kernels/matmul.py,
-~21-25 GB/s). Elsewhere, in float32, and for K it does not take, oneDNN's matmul on its packed
-layout runs (bfloat16 and float32 matmuls otherwise re-pack the weight at every call, which
-costs as much as the product at small batch).
+A bfloat16 decode step is bound by the stream of its weights: every one is read once per step.
+At decode batch sizes oneDNN's packed bfloat16 matmul streams them at ~16 GB/s on two cores
+that read 28 GB/s, so on CPUs with AMX textgen runs its own (services/worker/kernels/matmul.py,
+~21-25 GB/s). A float32 one is bound by its FMAs: on CPUs with AVX2 and no AVX512 textgen's
+own kernel reaches more of them than oneDNN's (same module). Elsewhere, and for K the AMX
+kernel does not take, oneDNN's matmul on its packed layout runs (bfloat16 and float32 matmuls
+otherwise re-pack the weight at every call, which costs as much as the product at small batch).
 
 Rounding: bfloat16 outputs equal F.linear's (on AMX up to 32 rows; past that a few in 10^4
 differ by rounding, as oneDNN blocks larger products otherwise); float32 ones may differ in the
@@ -47,23 +48,24 @@ class PackedLinear:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         matmul = ops.matmul if ops is not None else None
-        self.amx = matmul if matmul is not None and matmul.takes(weight) else None
-        if self.amx is not None:
-            self.packed = self.amx.pack(weight.contiguous())
+        # textgen's own kernel where one takes this weight here, else None (oneDNN)
+        self.own = matmul if matmul is not None and matmul.takes(weight) else None
+        if self.own is not None:
+            self.packed = self.own.pack(weight.contiguous())
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
 
     @property
     def kind(self) -> str:
-        """The matmul that runs it: amx or onednn."""
-        return "onednn" if self.amx is None else "amx"
+        """The matmul that runs it: amx, avx2 or onednn."""
+        return "onednn" if self.own is None else self.own.kind(self.packed.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.amx is None:
+        if self.own is None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
-        if x.shape[0] <= AMX_MAX_ROWS:
-            return self.amx.linear(x, self.packed, self.bias, self.out_features)
-        weight = self.amx.unpack(self.packed, self.out_features, self.in_features)
+        if x.shape[0] <= AMX_MAX_ROWS or x.dtype == torch.float32:
+            return self.own.linear(x, self.packed, self.bias, self.out_features)
+        weight = self.own.unpack(self.packed, self.out_features, self.in_features)
         return torch.nn.functional.linear(x, weight, self.bias)
 
 

@@ -13,3 +13,15 @@ def ops() -> kernels.CpuKernels:
     built = kernels.load()
     assert built is not None, "the CPU kernels did not build (is a C compiler installed?)"
     return built
+
+
+@pytest.fixture(scope="session")
+def avx2_ops() -> kernels.CpuKernels:
+    """The CPU kernels built for the avx2 level (as ATEN_CPU_CAPABILITY=avx2 builds them), on
+    any x86-64 host with AVX2: its own kernels (the float32 matmul) are tested on AVX512 hosts
+    too."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(kernels.CAPABILITY_ENV, "avx2")
+        built = kernels.load.__wrapped__()
+    assert built is not None and built.level == "avx2"
+    return built

@@ -1,7 +1,8 @@
 """The fast decoder's linear layers (services/worker/packed_linear.py) against F.linear, on
 whichever matmul this host gives them: AMX tiles for bfloat16 where the kernels were built for
-them (the amx level), oneDNN otherwise (any AVX2 or AVX512 host, and the suite's
-ATEN_CPU_CAPABILITY=avx512 or avx2 runs of an AMX host). oneDNN has no bfloat16 matmul on an
+them (the amx level), textgen's AVX2 kernel for float32 where they were built for the avx2
+level (an AVX2-only host, or ATEN_CPU_CAPABILITY=avx2; the float32 cases also run on a library
+built for that level on any host), oneDNN otherwise. oneDNN has no bfloat16 matmul on an
 AVX2-only CPU: there PackedLinear refuses bfloat16 weights (the fast decoder then declines the
 model) and the bfloat16 cases below do not apply."""
 
@@ -28,7 +29,9 @@ def _linux_grants_tiles() -> bool:
 
 def test_the_amx_matmul_runs_exactly_where_the_kernels_were_built_for_it(ops):
     assert ops.matmul.has_amx == (ops.level == "amx" and _linux_grants_tiles())
-    assert PackedLinear(torch.zeros(64, 64), ops=ops).kind == "onednn"  # float32: everywhere
+    assert ops.matmul.has_f32 == (ops.level == "avx2")
+    assert PackedLinear(torch.zeros(64, 64), ops=ops).kind == ("avx2" if ops.level == "avx2" else "onednn")
+    assert PackedLinear(torch.zeros(64, 64)).kind == "onednn"
     if not supports(torch.bfloat16):
         assert not ops.matmul.has_amx
         with pytest.raises(ValueError, match="cannot run torch.bfloat16 matmuls"):
@@ -71,6 +74,55 @@ def test_bfloat16_prompt_rows_differ_from_f_linear_by_rounding_only(ops, num_row
     bound = torch.finfo(torch.bfloat16).eps * expected.float().abs() + 2**-16 * magnitude
     assert bool(((got.float() - expected.float()).abs() <= bound).all())
     assert (got != expected).float().mean().item() < 1e-3
+
+
+@pytest.fixture(params=["host", "avx2"])
+def float32_ops(request, ops, avx2_ops):
+    """The kernels of this host's level, and those of the avx2 level (the float32 kernel's)."""
+    return ops if request.param == "host" else avx2_ops
+
+
+def _assert_float32_rounding(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias):
+    """Within float32 rounding of the exact product: the sums' order differs from F.linear's
+    (one FMA per k in the AVX2 kernel, blocked in oneDNN)."""
+    exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    magnitude = x.double().abs() @ weight.double().abs().T
+    bound = x.shape[1] * torch.finfo(torch.float32).eps * magnitude + 1e-30
+    assert got.dtype == torch.float32 and got.shape == exact.shape
+    assert bool(((got.double() - exact).abs() <= bound).all())
+
+
+def test_the_avx2_level_has_the_float32_kernel(avx2_ops):
+    assert avx2_ops.matmul.has_f32 and not avx2_ops.matmul.has_amx
+    weight = torch.randn(40, 24)
+    linear = PackedLinear(weight, ops=avx2_ops)
+    assert linear.kind == "avx2" and linear.packed.shape == (3, 24, 16)  # 40 -> 3 panels of 16
+    assert torch.equal(linear.packed[2, :, 8:], torch.zeros(24, 8))  # the padding columns
+    assert torch.equal(linear.packed[1, 5], weight[16:32, 5])
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 5, 6, 7, 13, 32, 61, 300])
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (64, 48), (96, 40), (1536, 576), (7, 3)])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_float32_outputs_are_the_product_within_rounding(float32_ops, num_rows, k, n, has_bias):
+    """Any row count (blocks of 6 and the rest), N that is not a multiple of the 16-column
+    panels (the last panel's outputs and bias), rows that are not adjacent in memory."""
+    generator = torch.Generator().manual_seed(num_rows * 1000 + n)
+    weight = torch.randn(n, k, generator=generator)
+    bias = torch.randn(n, generator=generator) if has_bias else None
+    x = torch.randn(num_rows, k + 5, generator=generator)[:, 2 : k + 2]  # rows k + 5 apart
+    linear = PackedLinear(weight, bias, float32_ops)
+    got = linear(x)
+    _assert_float32_rounding(got, x, weight, bias)
+    assert torch.equal(got, linear(x.contiguous()))  # the stride changes nothing
+
+
+def test_float32_propagates_inf_and_nan(float32_ops):
+    weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    x = torch.tensor([[float("inf"), 1.0], [float("nan"), 0.0]])
+    got = PackedLinear(weight, None, float32_ops)(x)
+    assert got[0, 0] == float("inf") and got[0, 1].isnan()  # inf * 0 is NaN
+    torch.testing.assert_close(got, F.linear(x, weight), equal_nan=True)
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,9 @@
 /* CPU kernels of the fast decoder path (services/worker/fast_decoder.py), for float32 and
  * bfloat16 tensors. services/worker/kernels/__init__.py compiles this file on first use with
  * -O3 -fopenmp -ffp-contract=off and -march=native (or the x86-64 level that
- * ATEN_CPU_CAPABILITY caps it to) and loads it with ctypes. Nothing here names an instruction
- * set: the compiler vectorizes the loops for whichever it was given.
+ * ATEN_CPU_CAPABILITY caps it to) and loads it with ctypes. Only the two matmuls name an
+ * instruction set (amx_linear.inc, f32_linear.inc; each built where its own is targeted): the
+ * compiler vectorizes the other loops for whichever it was given.
  *
  * The element-wise kernels round where transformers' modeling code rounds (every bfloat16
  * op computes in float32 and rounds its result), with no fused multiply-adds
@@ -27,6 +28,12 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
+/* the float32 matmul (f32_linear.inc): AVX2 FMA, on CPUs without AVX512 */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define HAS_F32_LINEAR 1
+#include <immintrin.h>
+#include <omp.h>
 #endif
 #include <stdint.h>
 #include <stdlib.h>
@@ -142,3 +149,4 @@ static inline float exp_clamped(float x) {
 #undef LOADW
 
 #include "amx_linear.inc"
+#include "f32_linear.inc"

@@ -1,12 +1,15 @@
-"""The fast decoder's own matmul kernel (amx_linear.inc): bfloat16 on AMX tiles, where the
-library was built for them (the amx level) and Linux grants the tile state. It packs a weight
-once into its layout and computes x W^T (+ bias). Elsewhere the caller keeps oneDNN
-(services/worker/packed_linear.py).
+"""The fast decoder's own matmul kernels: bfloat16 on AMX tiles (amx_linear.inc), where the
+library was built for them (the amx level) and Linux grants the tile state, and float32 on
+AVX2 FMA (f32_linear.inc), where it was built for AVX2 without AVX512 (the avx2 level). Each
+packs a weight once into its layout and computes x W^T (+ bias). Elsewhere the caller keeps
+oneDNN (services/worker/packed_linear.py).
 
-Float32 has none: an AVX512 kernel of the same shape (16 output columns per vector, 16 rows'
-sums in registers) ran SmolLM2-135M's matmuls at 52 ms for 32 rows against oneDNN's 40, and
-35 vs 20 ms at one row; at 32 rows float32 is bound by the FMAs (170 GFLOP/s on 2 cores), not
-by the weights' stream."""
+Float32 on AVX512 keeps oneDNN: an AVX512 kernel of the AMX one's shape (16 output columns per
+vector, 16 rows' sums in registers) ran SmolLM2-135M's matmuls at 52 ms for 32 rows against
+oneDNN's 40, and 35 vs 20 ms at one row. The AVX2 kernel keeps 6 rows x 16 columns of sums
+instead; on 2 cores of an AVX2 AMD EPYC it beats oneDNN at every row count SmolLM2-135M's
+decode steps have (cache-hot, its four matmuls x 30 and lm_head: 68 vs 79 ms at 32 rows, 23
+vs 29 at 8, 11 vs 17 at 1) and matches it at 512 (prompt chunks)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ _ptr = ctypes.c_void_p
 # x, x_stride, packed, bias, out, out_stride, num_rows, n, k, num_threads
 _LINEAR: list[Any] = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_int]
 K_MULTIPLE = 32  # the AMX kernel's K steps: other widths stay on oneDNN
+F32_PANEL = 16  # output columns of one float32 weight panel (f32_linear.inc)
 
 
 class MatmulKernels:
@@ -28,44 +32,58 @@ class MatmulKernels:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         library.amx_ready.restype = ctypes.c_int
-        self._amx_linear = library.amx_linear_bf16
-        self._amx_linear.argtypes = _LINEAR
-        self._amx_linear.restype = None
+        library.f32_linear_ready.restype = ctypes.c_int
+        self._linears = {torch.bfloat16: library.amx_linear_bf16, torch.float32: library.f32_linear}
+        for function in self._linears.values():
+            function.argtypes = _LINEAR
+            function.restype = None
         self._amx_unpack = library.amx_unpack_bf16
         self._amx_unpack.argtypes = [_ptr, _ptr, _i64, _i64, ctypes.c_int]
         self._amx_unpack.restype = None
         self.has_amx: bool = bool(library.amx_ready())  # built for the tiles, and granted them
+        self.has_f32: bool = bool(library.f32_linear_ready())  # built for AVX2 without AVX512
 
     def takes(self, weight: torch.Tensor) -> bool:
-        """Whether the AMX kernel takes this weight [n, k] here: bfloat16, k a multiple of 32."""
+        """Whether a kernel here takes this weight [n, k]: bfloat16 with k a multiple of 32 on
+        AMX, float32 on AVX2."""
+        if weight.dtype == torch.float32:
+            return self.has_f32
         return self.has_amx and weight.dtype == torch.bfloat16 and weight.shape[1] % K_MULTIPLE == 0
+
+    def kind(self, dtype: torch.dtype) -> str:
+        """The kernel that runs a weight of `dtype` it takes: amx or avx2."""
+        return "avx2" if dtype == torch.float32 else "amx"
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
-        """`weight` [n, k] in the kernel's layout: panels of 16 output columns (n padded with
-        zeros to 32), each [k / 32, 16, 16, 2] (the pairs of inputs a tile's dot products
+        """`weight` [n, k] in its kernel's layout. Float32: panels of 16 output columns (n
+        padded with zeros to 16), each [k, 16]. Bfloat16: panels of 16 output columns (n padded
+        with zeros to 32), each [k / 32, 16, 16, 2] (the pairs of inputs a tile's dot products
         read)."""
         n, k = weight.shape
+        if weight.dtype == torch.float32:
+            padded = F.pad(weight, (0, 0, 0, -n % F32_PANEL))
+            return padded.view(-1, F32_PANEL, k).transpose(1, 2).contiguous()
         padded = F.pad(weight, (0, 0, 0, -n % 32))
         return padded.view(-1, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
     def unpack(self, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-        """The weight [n, k] that pack() packed."""
+        """The bfloat16 weight [n, k] that pack() packed."""
         weight = packed.new_empty(n, k)
         self._amx_unpack(packed.data_ptr(), weight.data_ptr(), n, k, torch.get_num_threads())
         return weight
 
     def linear(
         self,
-        x: torch.Tensor,  # [num_rows, k] bfloat16, rows may be strided
+        x: torch.Tensor,  # [num_rows, k] of the weight's dtype, rows may be strided
         packed: torch.Tensor,  # pack(weight)
         bias: torch.Tensor | None,  # [n]
         n: int,
     ) -> torch.Tensor:
-        """x W^T (+ bias) on AMX tiles. [num_rows, n]"""
+        """x W^T (+ bias) on the kernel for x's dtype. [num_rows, n]"""
         num_rows, k = x.shape
         out = x.new_empty(num_rows, n)
-        self._amx_linear(
+        self._linears[x.dtype](
             x.data_ptr(),
             x.stride(0),
             packed.data_ptr(),
