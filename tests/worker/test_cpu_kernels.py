@@ -244,8 +244,8 @@ def test_paged_attention_equals_sdpa_for_mixed_steps(ops, dtype, block_size, win
 
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"),
-    [(4, 4, 16), (4, 2, 16), (32, 8, 128), (12, 2, 128), (16, 1, 64)],
-    ids=["mha", "gqa2", "gqa4-128", "gqa6", "mqa-group16"],
+    [(4, 4, 16), (4, 2, 16), (32, 8, 128), (12, 2, 128), (16, 1, 64), (6, 2, 48), (5, 5, 80)],
+    ids=["mha", "gqa2", "gqa4-128", "gqa6", "mqa-group16", "gqa3-48", "mha-80"],
 )
 def test_paged_attention_any_gqa_group_and_head_dim(ops, num_heads, num_kv_heads, head_dim):
     got, expected = attention_case(ops, torch.float32, 16, num_heads, num_kv_heads, head_dim, None)
