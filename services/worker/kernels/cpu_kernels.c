@@ -105,6 +105,7 @@ static inline float exp_clamped(float x) {
 
 #define PARALLEL_MIN_ELEMENTS 4096 /* smaller element-wise work runs on one thread (a decode
                                      batch of 32 rows of 576 splits: -4% of a bfloat16 step) */
+#define SILU_SPAN 512 /* gate values whose exponentials silu_mul computes at once */
 #define KEY_TILE 16                  /* keys scored together in the attention kernel */
 #define PARTS (KEY_TILE / LANES)     /* vecws of a tile's scores */
 #define MAX_TILE_ROWS 48             /* query rows (queries x heads of a KV group) per item */
