@@ -116,6 +116,7 @@ def test_float32_outputs_are_the_product_within_rounding(float32_ops, num_rows, 
     got = linear(x)
     _assert_float32_rounding(got, x, weight, bias)
     assert torch.equal(got, linear(x.contiguous()))  # the stride changes nothing
+    assert torch.equal(got, linear(x.T.contiguous().T))  # nor inputs a column apart
 
 
 def test_float32_propagates_inf_and_nan(float32_ops):

@@ -81,6 +81,8 @@ class MatmulKernels:
         n: int,
     ) -> torch.Tensor:
         """x W^T (+ bias) on the kernel for x's dtype. [num_rows, n]"""
+        if x.stride(1) != 1:  # the kernels step through a row's inputs one element apart
+            x = x.contiguous()
         num_rows, k = x.shape
         out = x.new_empty(num_rows, n)
         self._linears[x.dtype](
