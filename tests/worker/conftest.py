@@ -23,5 +23,7 @@ def avx2_ops() -> kernels.CpuKernels:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(kernels.CAPABILITY_ENV, "avx2")
         built = kernels.load.__wrapped__()
-    assert built is not None and built.level == "avx2"
+    assert built is not None, "the CPU kernels did not build (is a C compiler installed?)"
+    if built.level != "avx2":  # the cap cannot raise a CPU without AVX2 (or off x86-64)
+        pytest.skip(f"no avx2 level on this CPU (the kernels build for {built.level})")
     return built
