@@ -8,8 +8,9 @@ Float32 on AVX512 keeps oneDNN: an AVX512 kernel of the AMX one's shape (16 outp
 vector, 16 rows' sums in registers) ran SmolLM2-135M's matmuls at 52 ms for 32 rows against
 oneDNN's 40, and 35 vs 20 ms at one row. The AVX2 kernel keeps 6 rows x 16 columns of sums
 instead; on 2 cores of an AVX2 AMD EPYC it beats oneDNN at every row count SmolLM2-135M's
-decode steps have (cache-hot, its four matmuls x 30 and lm_head: 68 vs 79 ms at 32 rows, 23
-vs 29 at 8, 11 vs 17 at 1) and matches it at 512 (prompt chunks)."""
+steps have (its four matmuls x 30 and lm_head with cold weights, medians of interleaved rounds:
+58-70 vs 82-95 ms at 32 rows, ~21 vs ~28 at 1; the four x 30 at 512 rows, prompt chunks: 782
+vs 887 ms)."""
 
 from __future__ import annotations
 
