@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import ClusterDownError, RedisClusterException, ResponseError, TryAgainError
 from redis.typing import EncodableT, FieldT
 
 from shared.codec import decode, encode
@@ -24,8 +24,19 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 FIELD = b"m"  # stream entries hold one field whose value is the msgpack message
-# what a Redis outage raises: loops catch these, back off and retry
-REDIS_ERRORS = (aioredis.ConnectionError, aioredis.TimeoutError, OSError, TimeoutError)
+# what a Redis outage raises: loops catch these, back off and retry. A Redis Cluster failing
+# over answers CLUSTERDOWN (a slot has no live primary yet: every node says so until a replica
+# takes over) or TRYAGAIN, and its client raises RedisClusterException when the nodes it asks
+# cannot agree on the slots or cover them all (SlotNotCoveredError is one)
+REDIS_ERRORS = (
+    aioredis.ConnectionError,
+    aioredis.TimeoutError,
+    ClusterDownError,
+    TryAgainError,
+    RedisClusterException,
+    OSError,
+    TimeoutError,
+)
 
 
 async def group_states(

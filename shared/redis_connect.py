@@ -36,6 +36,31 @@ def _recover_from_unblocked() -> None:
 _recover_from_unblocked()
 
 
+class ClusterNodeConnection(aioredis.Connection):
+    """redis-py's connection for a cluster client: a write to a transport that closed under it
+    raises ConnectionError, as on asyncio's own loop. A cluster client that meets CLUSTERDOWN
+    closes every node's connections while other tasks still use them, and on uvloop their
+    writes raise RuntimeError ("the handler is closed"), which no outage handler expects."""
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        try:
+            await super().send_packed_command(command, check_health)
+        except RuntimeError as exc:
+            if "closed" not in str(exc):
+                raise
+            raise redis.ConnectionError(f"writing to a closed connection: {exc}") from exc
+
+
+def _use_node_connections(client: aioredis.RedisCluster) -> aioredis.RedisCluster:
+    """`client` with ClusterNodeConnection for every node: those it knows, and those it learns
+    (they are made from its connection_kwargs; redis-py takes no connection class for a
+    cluster)."""
+    client.connection_kwargs["connection_class"] = ClusterNodeConnection
+    for node in [*client.startup_nodes, *client.nodes_manager.startup_nodes.values()]:
+        node.connection_class = ClusterNodeConnection
+    return client
+
+
 def redact_url(url: str | None) -> str:
     """`url` safe to log: the password (user:PASSWORD@ or ?password=) replaced by `***`."""
     if not url:
@@ -173,7 +198,7 @@ def connect(
     if cluster:
         assert url, "a Redis Cluster node's URL"
         cluster_client = aioredis.RedisCluster.from_url(url, **options)
-        return cast(aioredis.Redis, cluster_client)
+        return cast(aioredis.Redis, _use_node_connections(cluster_client))
     if not sentinels:
         assert url, "a Redis URL or sentinels"
         return aioredis.from_url(url, **options)

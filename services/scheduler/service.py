@@ -131,8 +131,8 @@ class SchedulerService:
                     self._lost_started_at = exc.started_at
                     await self._end_session(hand_back=True)
                 except (*REDIS_ERRORS, ResponseError) as exc:
-                    if isinstance(exc, ResponseError) and "NOGROUP" not in str(exc):
-                        raise  # a bug, not an outage
+                    if not isinstance(exc, REDIS_ERRORS) and "NOGROUP" not in str(exc):
+                        raise  # a bug, not an outage (a reset Redis lost the group: NOGROUP)
                     log.warning("Redis unreachable or reset (%s); retrying in %.2f s", exc, backoff)
                     self.scheduler = None  # held requests stay pending: claimed again later
                     await self.master.pause(backoff)

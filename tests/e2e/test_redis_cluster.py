@@ -6,12 +6,14 @@ streams on its own tag's node, so every command and script touches one slot (a r
 refuses anything else with CROSSSLOT). Through it: greedy output equals transformers', streams
 deliver each index once, a client that goes away frees its request (the abort crosses nodes),
 intake's WAIT reaches the lanes' node (each request on a replica: --redis-wait-replicas 1), and
-`textgen queue --redis-cluster` shows both groups. A cluster flag without a node's URL is
-refused in one line."""
+`textgen queue --redis-cluster` shows both groups, and no service dies while the cluster
+answers CLUSTERDOWN or fails over. A cluster flag without a node's URL is refused in one
+line."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import shutil
 import time
@@ -25,6 +27,7 @@ from shared.channels import Channels
 from shared.net import free_port
 from tests.launcher.test_launch import (
     children_of,
+    drain,
     free_port_run,
     launch,
     refused_launch,
@@ -57,14 +60,14 @@ def redis_cluster():
 @pytest.fixture(scope="module")
 def served(redis_cluster, tiny_llama):
     """`textgen launch` on the cluster: (port, ready line, first metrics port: scheduler 0,
-    worker 0, scheduler 1, worker 1; the launcher's process)."""
+    worker 0, scheduler 1, worker 1; the launcher's process; the last lines it printed)."""
     port, metrics_port = free_port(), free_port_run(4)
     flags = ["--redis-url", redis_cluster.url, "--redis-cluster", "--num-groups", "2"]
     flags += ["--redis-wait-replicas", "1", "--metrics-port", str(metrics_port)]
     process = launch(tiny_llama, port, *flags)
     try:
         ready = wait_for_line(process, "textgen is ready", timeout=180)
-        yield port, ready, metrics_port, process
+        yield port, ready, metrics_port, process, drain(process)
     finally:
         process.terminate()
         process.wait(timeout=60)
@@ -106,7 +109,7 @@ async def _serve_all(port: int) -> tuple[list[list[int]], list[list[dict]]]:
 
 
 def test_greedy_output_and_streams_as_without_a_cluster(served, tiny_llama):
-    port, ready, _, _ = served
+    port, ready, *_ = served
     assert "textgen is ready" in ready
     generated, streamed = asyncio.run(_serve_all(port))
     expected = [greedy_ids(tiny_llama, p, NEW_TOKENS, [2]) for p in PROMPTS]
@@ -122,7 +125,7 @@ def test_greedy_output_and_streams_as_without_a_cluster(served, tiny_llama):
 
 
 def test_a_client_gone_frees_its_request_and_the_queue_shows_both_groups(redis_cluster, served):
-    port, _, metrics_port, _ = served
+    port, _, metrics_port, *_ = served
     body = {"inputs": "A tiny robot", "parameters": {"max_new_tokens": 400}}
     with httpx.stream(
         "POST", f"http://127.0.0.1:{port}/generate_stream", json=body, timeout=60
@@ -157,7 +160,46 @@ def test_the_cluster_flag_needs_a_node_url(tiny_llama, redis_cluster):
     assert "redis_cluster needs --redis-url (a cluster node) and no sentinels" in line
 
 
-FAULTS = {"cluster-failover": RedisCluster.fail_over, "kill-9": RedisCluster.kill}
+def test_the_services_wait_out_a_cluster_that_is_down(served, redis_cluster):
+    """The third primary (it serves none of textgen's keys) dies and its replica takes over 4 s
+    late: for ~3 s every node answers CLUSTERDOWN to the services' polls and heartbeats, and to
+    requests arriving meanwhile. No service dies; a request then gets a 503 or its tokens, and
+    once the replica serves, streams go as before."""
+    port, _, _, launcher, printed = served
+    children = children_of(launcher.pid)
+    channels = Channels()
+    used = {redis_cluster.port_of(channels.requests), redis_cluster.port_of(channels.steps("0"))}
+    used.add(redis_cluster.port_of(channels.steps("1")))
+    primaries = {redis_cluster.port_of(f"{{{slot}}}") for slot in ("a", "b", "c", "d", "e")}
+    spare = next(port for port in sorted(primaries - used))
+    key = next(f"{{k{i}}}" for i in range(100) if redis_cluster.port_of(f"{{k{i}}}") == spare)
+
+    async def meanwhile() -> list[int]:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            await asyncio.sleep(2.0)  # the others have marked it failed: the cluster is down
+            body = {"inputs": "The cat sat", "parameters": {"max_new_tokens": 4}}
+            replies = await asyncio.gather(*(http.post("/generate", json=body) for _ in range(4)))
+            return [reply.status_code for reply in replies]
+
+    async def outage() -> list[int]:
+        down = asyncio.create_task(asyncio.to_thread(redis_cluster.kill, key, late_s=4.0))
+        codes = await meanwhile()
+        await down
+        return codes
+
+    codes = asyncio.run(outage())
+    assert set(codes) <= {200, 503}, codes  # the gateway answered: a 503 says Redis is out
+    assert children_of(launcher.pid) == children, "".join(printed)
+    generated, _ = asyncio.run(_serve_all(port))
+    assert len(generated) == 2 * len(PROMPTS)
+
+
+FAULTS = {
+    "cluster-failover": RedisCluster.fail_over,
+    # the replica takes over 3 s late: for ~2 s every node answers CLUSTERDOWN (a kill -9 with a
+    # prompt replica leaves ~0.5-1 s of it, which raced redis-py's own retries)
+    "kill-9-slow-failover": functools.partial(RedisCluster.kill, late_s=3.0),
+}
 
 
 async def _through_failovers(
@@ -193,14 +235,15 @@ def lanes_moves(port: int) -> int:
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_streams_go_on_through_failovers_of_the_nodes(served, redis_cluster, fault):
     """Last in this module: they move the primaries. A graceful CLUSTER FAILOVER, then a
-    kill -9, of the lanes' node and then of the groups' node, while 8 streams run; each stream,
-    and those after, as undisturbed, and no service dies."""
-    port, _, _, launcher = served
+    kill -9 with a late replica, of the lanes' node and then of the groups' node, while 8
+    streams run; each stream, and those after, as undisturbed, and no service dies."""
+    port, _, _, launcher, printed = served
     children = children_of(launcher.pid)
     switches = lanes_moves(port)
     undisturbed, disturbed, seconds = asyncio.run(_through_failovers(port, redis_cluster, fault))
     assert lanes_moves(port) > switches  # intake's WAIT client followed the lanes
-    assert children_of(launcher.pid) == children  # no service died (and was restarted)
+    # no service died (and was restarted)
+    assert children_of(launcher.pid) == children, "".join(printed)
     print(f"failovers took {seconds[0]:.1f} and {seconds[1]:.1f} s")
     expected = [[e["token"]["id"] for e in events] for events in undisturbed]
     for i, events in enumerate(disturbed):

@@ -3,6 +3,7 @@ real generation works; Ctrl-C/SIGTERM stops everything; a dying child stops ever
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import random
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -91,6 +93,14 @@ def wait_for_line(process: subprocess.Popen, needle: str, timeout: float = 180) 
         if needle in line:
             return line
     raise AssertionError(f"{needle!r} not printed:\n{''.join(seen)[-4000:]}")
+
+
+def drain(process: subprocess.Popen, keep: int = 400) -> collections.deque[str]:
+    """Read the launcher's output from now on in a thread, so no child blocks on a full pipe;
+    its last `keep` lines, for a failing assertion's message."""
+    tail: collections.deque[str] = collections.deque(maxlen=keep)
+    threading.Thread(target=lambda: tail.extend(process.stdout), daemon=True).start()
+    return tail
 
 
 @pytest.fixture

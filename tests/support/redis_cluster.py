@@ -5,6 +5,7 @@ by `redis-cli --cluster create` (0-5460, 5461-10922, 10923-16383)."""
 from __future__ import annotations
 
 import random
+import signal
 import socket
 import subprocess
 import tempfile
@@ -104,12 +105,21 @@ class RedisCluster:
         wait_until(lambda: self.port_of(key) == replica, timeout, f"failover to {replica}")
         return time.monotonic() - started
 
-    def kill(self, key: str, timeout: float = 30.0) -> float:
-        """kill -9 the primary serving `key`; seconds until its replica serves the slot."""
+    def kill(self, key: str, late_s: float = 0.0, timeout: float = 30.0) -> float:
+        """kill -9 the primary serving `key`; seconds until its replica serves the slot. With
+        `late_s`, the replica is stopped (SIGSTOP) for that long first: once the others mark the
+        primary failed (after NODE_TIMEOUT_MS) the slot has no node, and every node answers
+        CLUSTERDOWN until the replica takes over (a slow failover)."""
         primary = self.port_of(key)
         replica = redis.Redis(port=primary).info("replication")["slave0"]["port"]
+        held = self.processes[self.ports.index(replica)]
         started = time.monotonic()
+        if late_s:
+            held.send_signal(signal.SIGSTOP)
         self.processes[self.ports.index(primary)].kill()
+        if late_s:
+            time.sleep(late_s)
+            held.send_signal(signal.SIGCONT)
         wait_until(lambda: self.port_of(key) == replica, timeout, f"failover to {replica}")
         return time.monotonic() - started
 

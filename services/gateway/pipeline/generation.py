@@ -35,6 +35,7 @@ from services.gateway.pipeline.results import Finished, KeepAlive, Prepared, Tok
 from services.gateway.pipeline.resume import Resumer
 from services.gateway.pipeline.routing import AdapterRoutes
 from services.gateway.pipeline.tokenizer import TextTokenizer
+from shared.bus import REDIS_ERRORS
 from shared.channels import Channels
 from shared.codec import encode
 from shared.messages import (
@@ -193,7 +194,7 @@ class Generator:
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
                 entry_id = await self.intake.add(keys, encode(message))
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (RedisError, *REDIS_ERRORS) as exc:
             raise unavailable(f"Redis unreachable ({type(exc).__name__}: {exc})") from exc
         if entry_id is None:
             raise overloaded()
@@ -372,7 +373,7 @@ class Generator:
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
                 await self.client.publish(self.channels.aborts, encode(abort))
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (RedisError, *REDIS_ERRORS) as exc:
             log.warning("could not publish abort of %s: %s", abort.request_id, exc)
 
     async def drain(self) -> None:

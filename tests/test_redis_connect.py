@@ -1,0 +1,44 @@
+"""shared/redis_connect.py's connection for Redis Cluster nodes, on a real Redis: a write to a
+connection whose transport closed under it (a cluster client that met CLUSTERDOWN closes every
+node's connections while other tasks use them) raises redis's ConnectionError on the services'
+loop (uvloop), which the outage handlers catch; redis-py's own connection raises RuntimeError
+there, which ended the scheduler in a kill -9 failover."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from shared import aio
+from shared.redis_connect import ClusterNodeConnection
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
+]
+
+
+async def _write_after_close(connection_class: type[aioredis.Connection], port: int) -> None:
+    connection = connection_class(host="127.0.0.1", port=port)
+    await connection.connect()
+    await connection.send_command("PING")
+    assert await connection.read_response() == b"PONG"
+    connection._writer.transport.close()  # type: ignore[union-attr]  # as aclose() elsewhere
+    try:
+        await connection.send_command("PING", check_health=False)
+    finally:
+        await connection.disconnect()
+
+
+@pytest.mark.parametrize(
+    ("connection_class", "raised"),
+    [(ClusterNodeConnection, redis.ConnectionError), (aioredis.Connection, RuntimeError)],
+)
+def test_a_write_to_a_closed_connection_is_a_lost_connection(redis_url, connection_class, raised):
+    pytest.importorskip("uvloop")
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    with pytest.raises(raised, match="closed"):
+        aio.run(_write_after_close(connection_class, port))
