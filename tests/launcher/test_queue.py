@@ -211,18 +211,19 @@ def test_live_view_while_requests_wait(live_cluster, redis_url):
     cluster.wait_idle()
     client = redis.Redis.from_url(redis_url)
     requests_key = Channels(LIVE_NAMESPACE).requests
-    num_requests = 10
+    num_requests, num_tokens = 10, 150
 
     async def run() -> tuple[str, dict, dict, list[dict]]:
         async with httpx.AsyncClient(timeout=120) as http:
             tasks = [
-                asyncio.ensure_future(generate(http, url, i, 300)) for i in range(num_requests)
+                asyncio.ensure_future(generate(http, url, i, num_tokens))
+                for i in range(num_requests)
             ]
             deadline = time.monotonic() + 10
             while client.xlen(requests_key) < num_requests and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)  # until every request reached the stream
             # the last entry is the last one any scheduler gets: it stays queued while the
-            # first two waves (2 groups x 2 requests each) generate their 300 tokens
+            # first two waves (2 groups x 2 requests each) generate their tokens (seconds each)
             last_entry = client.xrevrange(requests_key, count=1)[0]
             request_id = decode(last_entry[1][FIELD], GenerateRequest).request_id
             state, snapshot = await asyncio.gather(
@@ -252,7 +253,7 @@ def test_live_view_while_requests_wait(live_cluster, redis_url):
     assert state["request_id"] == request_id and state["entry_id"] is not None
     assert state["state"] == "queued"
     assert 0 <= state["queue_position"] < num_requests - 2 * MAX_BATCH
-    assert state["max_new_tokens"] == 300 and state["num_input_tokens"] > 0
+    assert state["max_new_tokens"] == num_tokens and state["num_input_tokens"] > 0
     assert len(bodies) == num_requests
 
     cluster.wait_idle()
