@@ -1,6 +1,8 @@
 """The fast decoder's linear layers (services/worker/packed_linear.py) against F.linear, on
 whichever matmul this host gives them: AMX tiles for bfloat16 where the kernels were built for
-them (the amx level), textgen's AVX2 kernel for float32 where they were built for the avx2
+them (the amx level), AVX512-BF16 dot products for bfloat16 where they were built for those
+without the tiles (the avx512 level of a CPU with avx512_bf16: a Zen 4, or an AMX CPU capped
+to avx512), textgen's AVX2 kernel for float32 where they were built for the avx2
 level (an AVX2-only host, or ATEN_CPU_CAPABILITY=avx2; the float32 cases also run on a library
 built for that level on any host), oneDNN otherwise. oneDNN has no bfloat16 matmul on an
 AVX2-only CPU: there PackedLinear refuses bfloat16 weights (the fast decoder then declines the
@@ -27,8 +29,17 @@ def _linux_grants_tiles() -> bool:
     return platform.system() == "Linux" and tuple(int(p) for p in parts if p.isdigit()) >= (5, 16)
 
 
-def test_the_amx_matmul_runs_exactly_where_the_kernels_were_built_for_it(ops):
+def _has_bf16_dot_products() -> bool:
+    """The CPU flag of AVX512-BF16 (vdpbf16ps)."""
+    with open("/proc/cpuinfo") as cpuinfo:
+        return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in cpuinfo)
+
+
+def test_the_own_matmuls_run_exactly_where_the_kernels_were_built_for_them(ops):
     assert ops.matmul.has_amx == (ops.level == "amx" and _linux_grants_tiles())
+    assert ops.matmul.has_bf16_dot == (
+        not ops.matmul.has_amx and ops.level in ("avx512", "amx") and _has_bf16_dot_products()
+    )
     assert ops.matmul.has_f32 == (ops.level == "avx2")
     float32_kind = "avx2" if ops.level == "avx2" else "onednn"
     assert PackedLinear(torch.zeros(64, 64), ops=ops).kind == float32_kind
@@ -39,26 +50,42 @@ def test_the_amx_matmul_runs_exactly_where_the_kernels_were_built_for_it(ops):
             PackedLinear(torch.zeros(64, 64, dtype=torch.bfloat16), ops=ops)
         return
     bf16 = PackedLinear(torch.zeros(64, 64, dtype=torch.bfloat16), ops=ops)
-    assert bf16.kind == ("amx" if ops.matmul.has_amx else "onednn")
+    own = "amx" if ops.matmul.has_amx else "avx512bf16" if ops.matmul.has_bf16_dot else None
+    assert bf16.kind == (own or "onednn")
     # K that is not a multiple of 32 stays on oneDNN
     assert PackedLinear(torch.zeros(64, 48, dtype=torch.bfloat16), ops=ops).kind == "onednn"
     assert PackedLinear(torch.zeros(64, 64, dtype=torch.bfloat16)).kind == "onednn"
 
 
+def _assert_bfloat16_rounding(got: torch.Tensor, expected: torch.Tensor, x, weight) -> None:
+    """Within an ulp of F.linear's output, or where the terms cancel, float32 rounding of their
+    magnitude; and few outputs differ at all."""
+    magnitude = x.float().abs() @ weight.float().abs().T
+    bound = torch.finfo(torch.bfloat16).eps * expected.float().abs() + 2**-16 * magnitude
+    assert bool(((got.float() - expected.float()).abs() <= bound).all())
+    assert (got != expected).float().mean().item() < 1e-3
+
+
 @needs_bfloat16
-@pytest.mark.parametrize("num_rows", [1, 7, 16, 17, 32])
+@pytest.mark.parametrize("num_rows", [1, 7, 12, 13, 16, 17, 25, 32])
 @pytest.mark.parametrize(("k", "n"), [(576, 960), (64, 48), (96, 80), (1536, 576)])
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_bfloat16_outputs_equal_f_linear_at_decode_batch_sizes(ops, num_rows, k, n, has_bias):
-    """Up to 32 rows both matmuls sum K in the order F.linear does: bit-equal outputs, for
-    any N (padded to the kernel's 32 columns) and with a bias."""
+    """Up to 32 rows the AMX kernel (and oneDNN) sum K in the order F.linear does: bit-equal
+    outputs, for any N (padded to the kernel's 32 columns) and with a bias. The AVX512-BF16
+    kernel sums K in its own order (blocks of 12 rows and the rest): equal within rounding."""
     generator = torch.Generator().manual_seed(num_rows * 1000 + n)
     weight = (torch.randn(n, k, generator=generator) * 0.05).bfloat16()
     bias = torch.randn(n, generator=generator).bfloat16() if has_bias else None
-    x = torch.randn(num_rows + 3, k, generator=generator).bfloat16()[3:]  # not at offset 0
-    got = PackedLinear(weight, bias, ops)(x)
+    x = torch.randn(num_rows + 3, k + 8, generator=generator).bfloat16()[3:, 4 : k + 4]
+    linear = PackedLinear(weight, bias, ops)  # x: not at offset 0, rows k + 8 apart
+    got, expected = linear(x), F.linear(x, weight, bias)
     assert got.dtype == torch.bfloat16 and got.shape == (num_rows, n)
-    assert torch.equal(got, F.linear(x, weight, bias))
+    if linear.kind == "avx512bf16":
+        _assert_bfloat16_rounding(got, expected, x, weight)
+        assert torch.equal(got, linear(x.contiguous()))  # the stride changes nothing
+    else:
+        assert torch.equal(got, expected)
 
 
 @needs_bfloat16
@@ -70,11 +97,7 @@ def test_bfloat16_prompt_rows_differ_from_f_linear_by_rounding_only(ops, num_row
     weight = (torch.randn(960, 576, generator=generator) * 0.05).bfloat16()
     x = torch.randn(num_rows, 576, generator=generator).bfloat16()
     got, expected = PackedLinear(weight, None, ops)(x), F.linear(x, weight)
-    # an ulp of the output, or where the terms cancel, float32 rounding of their magnitude
-    magnitude = x.float().abs() @ weight.float().abs().T
-    bound = torch.finfo(torch.bfloat16).eps * expected.float().abs() + 2**-16 * magnitude
-    assert bool(((got.float() - expected.float()).abs() <= bound).all())
-    assert (got != expected).float().mean().item() < 1e-3
+    _assert_bfloat16_rounding(got, expected, x, weight)
 
 
 @pytest.fixture(params=["host", "avx2"])

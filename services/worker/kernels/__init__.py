@@ -34,7 +34,14 @@ from services.worker.kernels.matmul import MatmulKernels
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("cpu_kernels.c", "cpu_kernels.inc", "lora.inc", "amx_linear.inc", "f32_linear.inc")
+SOURCES = (
+    "cpu_kernels.c",
+    "cpu_kernels.inc",
+    "lora.inc",
+    "amx_linear.inc",
+    "bf16_dot_linear.inc",
+    "f32_linear.inc",
+)
 # -fno-trapping-math: a float select (exp_clamped's clamp) may run as a vector blend; without
 # it GCC left exp's loops scalar below AVX512 (silu_mul 260 us vs torch's 55 on AVX2). Values
 # are the same; only the FP exception flags, which nothing reads, may differ

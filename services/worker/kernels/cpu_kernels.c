@@ -1,9 +1,9 @@
 /* CPU kernels of the fast decoder path (services/worker/fast_decoder.py), for float32 and
  * bfloat16 tensors. services/worker/kernels/__init__.py compiles this file on first use with
  * -O3 -fopenmp -ffp-contract=off and -march=native (or the x86-64 level that
- * ATEN_CPU_CAPABILITY caps it to) and loads it with ctypes. Only the two matmuls name an
- * instruction set (amx_linear.inc, f32_linear.inc; each built where its own is targeted): the
- * compiler vectorizes the other loops for whichever it was given.
+ * ATEN_CPU_CAPABILITY caps it to) and loads it with ctypes. Only the matmuls name an
+ * instruction set (amx_linear.inc, bf16_dot_linear.inc, f32_linear.inc; each built where its
+ * own is targeted): the compiler vectorizes the other loops for whichever it was given.
  *
  * The element-wise kernels round where transformers' modeling code rounds (every bfloat16
  * op computes in float32 and rounds its result), with no fused multiply-adds
@@ -28,6 +28,11 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
+/* the bfloat16 dot-product matmul (bf16_dot_linear.inc): AVX512-BF16 where AMX is not built */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(HAS_AMX_LINEAR)
+#define HAS_BF16_DOT_LINEAR 1
+#include <immintrin.h>
 #endif
 /* the float32 matmul (f32_linear.inc): AVX2 FMA, on CPUs without AVX512 */
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -150,4 +155,5 @@ static inline float exp_clamped(float x) {
 #undef LOADW
 
 #include "amx_linear.inc"
+#include "bf16_dot_linear.inc"
 #include "f32_linear.inc"

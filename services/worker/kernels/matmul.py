@@ -1,8 +1,9 @@
 """The fast decoder's own matmul kernels: bfloat16 on AMX tiles (amx_linear.inc), where the
-library was built for them (the amx level) and Linux grants the tile state, and float32 on
-AVX2 FMA (f32_linear.inc), where it was built for AVX2 without AVX512 (the avx2 level). Each
-packs a weight once into its layout and computes x W^T (+ bias). Elsewhere the caller keeps
-oneDNN (services/worker/packed_linear.py).
+library was built for them (the amx level) and Linux grants the tile state, else on AVX512-BF16
+dot products (bf16_dot_linear.inc) where it was built for those (the avx512 level of a Zen 4,
+say), and float32 on AVX2 FMA (f32_linear.inc), where it was built for AVX2 without AVX512 (the
+avx2 level). Each packs a weight once into its layout (the two bfloat16 kernels share one) and
+computes x W^T (+ bias). Elsewhere the caller keeps oneDNN (services/worker/packed_linear.py).
 
 Float32 on AVX512 keeps oneDNN: an AVX512 kernel of the AMX one's shape (16 output columns per
 vector, 16 rows' sums in registers) ran SmolLM2-135M's matmuls at 52 ms for 32 rows against
@@ -32,28 +33,34 @@ class MatmulKernels:
     """Typed calls into the library's matmul kernels."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        library.amx_ready.restype = ctypes.c_int
-        library.f32_linear_ready.restype = ctypes.c_int
-        self._linears = {torch.bfloat16: library.amx_linear_bf16, torch.float32: library.f32_linear}
+        for ready in (library.amx_ready, library.bf16_dot_ready, library.f32_linear_ready):
+            ready.restype = ctypes.c_int
+        self.has_amx: bool = bool(library.amx_ready())  # built for the tiles, and granted them
+        # built for AVX512-BF16 without the tiles (the AMX kernel goes first where both are)
+        self.has_bf16_dot: bool = not self.has_amx and bool(library.bf16_dot_ready())
+        self.has_f32: bool = bool(library.f32_linear_ready())  # built for AVX2 without AVX512
+        bf16_linear = library.amx_linear_bf16 if self.has_amx else library.bf16_dot_linear
+        self._linears = {torch.bfloat16: bf16_linear, torch.float32: library.f32_linear}
         for function in self._linears.values():
             function.argtypes = _LINEAR
             function.restype = None
         self._amx_unpack = library.amx_unpack_bf16
         self._amx_unpack.argtypes = [_ptr, _ptr, _i64, _i64, ctypes.c_int]
         self._amx_unpack.restype = None
-        self.has_amx: bool = bool(library.amx_ready())  # built for the tiles, and granted them
-        self.has_f32: bool = bool(library.f32_linear_ready())  # built for AVX2 without AVX512
 
     def takes(self, weight: torch.Tensor) -> bool:
         """Whether a kernel here takes this weight [n, k]: bfloat16 with k a multiple of 32 on
-        AMX, float32 on AVX2."""
+        AMX or AVX512-BF16, float32 on AVX2."""
         if weight.dtype == torch.float32:
             return self.has_f32
-        return self.has_amx and weight.dtype == torch.bfloat16 and weight.shape[1] % K_MULTIPLE == 0
+        has_bf16 = self.has_amx or self.has_bf16_dot
+        return has_bf16 and weight.dtype == torch.bfloat16 and weight.shape[1] % K_MULTIPLE == 0
 
     def kind(self, dtype: torch.dtype) -> str:
-        """The kernel that runs a weight of `dtype` it takes: amx or avx2."""
-        return "avx2" if dtype == torch.float32 else "amx"
+        """The kernel that runs a weight of `dtype` it takes: amx, avx512bf16 or avx2."""
+        if dtype == torch.float32:
+            return "avx2"
+        return "amx" if self.has_amx else "avx512bf16"
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
