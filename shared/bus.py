@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import ClusterDownError, RedisClusterException, ResponseError, TryAgainError
+from redis.exceptions import (
+    ClusterDownError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.typing import EncodableT, FieldT
 
 from shared.codec import decode, encode
@@ -37,6 +43,9 @@ REDIS_ERRORS = (
     OSError,
     TimeoutError,
 )
+# any failure of a Redis command: an outage's errors, or Redis refusing it (where a request
+# gets its 503 and a probe its "no")
+REDIS_FAILURES = (RedisError, *REDIS_ERRORS)
 
 
 async def group_states(

@@ -170,8 +170,7 @@ def test_the_services_wait_out_a_cluster_that_is_down(served, redis_cluster):
     channels = Channels()
     used = {redis_cluster.port_of(channels.requests), redis_cluster.port_of(channels.steps("0"))}
     used.add(redis_cluster.port_of(channels.steps("1")))
-    primaries = {redis_cluster.port_of(f"{{{slot}}}") for slot in ("a", "b", "c", "d", "e")}
-    spare = next(port for port in sorted(primaries - used))
+    spare = min(redis_cluster.primaries() - used)
     key = next(f"{{k{i}}}" for i in range(100) if redis_cluster.port_of(f"{{k{i}}}") == spare)
 
     async def meanwhile() -> list[int]:

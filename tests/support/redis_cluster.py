@@ -87,13 +87,24 @@ class RedisCluster:
 
     def port_of(self, key: str) -> int:
         """The port of the node that serves `key`'s slot, as the first live node says."""
-        alive = [port for port, p in zip(self.ports, self.processes) if p.poll() is None]
-        client = redis.Redis(port=alive[0], decode_responses=True)
-        slot = client.cluster("keyslot", key)
-        for first, last, (_host, port, *_), *_replicas in client.cluster("slots"):
+        slot = self._client().cluster("keyslot", key)
+        for first, last, (_host, port, *_), *_replicas in self._slots():
             if first <= slot <= last:
                 return int(port)
         raise LookupError(f"no node serves slot {slot}")
+
+    def _client(self) -> redis.Redis:
+        """A client of the first live node."""
+        alive = [port for port, p in zip(self.ports, self.processes) if p.poll() is None]
+        return redis.Redis(port=alive[0], decode_responses=True)
+
+    def _slots(self) -> list:
+        """CLUSTER SLOTS: [first, last, primary, replicas...] per range."""
+        return self._client().cluster("slots")
+
+    def primaries(self) -> set[int]:
+        """The ports of the nodes that serve slots now, as the first live node says."""
+        return {int(port) for _first, _last, (_host, port, *_), *_ in self._slots()}
 
     def fail_over(self, key: str, timeout: float = 20.0) -> float:
         """A graceful CLUSTER FAILOVER of the primary serving `key` to its replica (they agree

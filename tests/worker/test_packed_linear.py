@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from services.worker.loader import cpu_flags
 from services.worker.packed_linear import PackedLinear, pack, supports
 
 needs_bfloat16 = pytest.mark.skipif(
@@ -29,16 +30,10 @@ def _linux_grants_tiles() -> bool:
     return platform.system() == "Linux" and tuple(int(p) for p in parts if p.isdigit()) >= (5, 16)
 
 
-def _has_bf16_dot_products() -> bool:
-    """The CPU flag of AVX512-BF16 (vdpbf16ps)."""
-    with open("/proc/cpuinfo") as cpuinfo:
-        return any(line.startswith("flags") and "avx512_bf16" in line.split() for line in cpuinfo)
-
-
 def test_the_own_matmuls_run_exactly_where_the_kernels_were_built_for_them(ops):
     assert ops.matmul.has_amx == (ops.level == "amx" and _linux_grants_tiles())
     # the amx level builds the tiles' kernel instead (granted or not)
-    assert ops.matmul.has_bf16_dot == (ops.level == "avx512" and _has_bf16_dot_products())
+    assert ops.matmul.has_bf16_dot == (ops.level == "avx512" and "avx512_bf16" in cpu_flags())
     assert ops.matmul.has_f32 == (ops.level == "avx2")
     float32_kind = "avx2" if ops.level == "avx2" else "onednn"
     assert PackedLinear(torch.zeros(64, 64), ops=ops).kind == float32_kind

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from redis.exceptions import RedisError
 
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline.decoding import TextDecoder, finite
@@ -35,7 +34,7 @@ from services.gateway.pipeline.results import Finished, KeepAlive, Prepared, Tok
 from services.gateway.pipeline.resume import Resumer
 from services.gateway.pipeline.routing import AdapterRoutes
 from services.gateway.pipeline.tokenizer import TextTokenizer
-from shared.bus import REDIS_ERRORS
+from shared.bus import REDIS_FAILURES
 from shared.channels import Channels
 from shared.codec import encode
 from shared.messages import (
@@ -194,7 +193,7 @@ class Generator:
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
                 entry_id = await self.intake.add(keys, encode(message))
-        except (RedisError, *REDIS_ERRORS) as exc:
+        except REDIS_FAILURES as exc:
             raise unavailable(f"Redis unreachable ({type(exc).__name__}: {exc})") from exc
         if entry_id is None:
             raise overloaded()
@@ -373,7 +372,7 @@ class Generator:
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
                 await self.client.publish(self.channels.aborts, encode(abort))
-        except (RedisError, *REDIS_ERRORS) as exc:
+        except REDIS_FAILURES as exc:
             log.warning("could not publish abort of %s: %s", abort.request_id, exc)
 
     async def drain(self) -> None:

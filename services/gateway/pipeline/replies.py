@@ -31,7 +31,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared.bus import REDIS_ERRORS
+from shared.bus import REDIS_FAILURES
 from shared.codec import decode
 from shared.master_watch import MasterWatch, address_of
 from shared.messages import SCHEMA_VERSION, ReplyBatch, TokenEvent
@@ -244,7 +244,7 @@ class ReplyRouter:
             except Exception as exc:  # Redis errors, and anything else: the router never dies
                 self.is_subscribed = False
                 self.lose_all()
-                if isinstance(exc, (RedisError, *REDIS_ERRORS)):
+                if isinstance(exc, REDIS_FAILURES):
                     log.warning("reply subscription lost (%s); retrying in %.1fs", exc, delay)
                 else:
                     log.exception("reply subscription failed; retrying in %.1fs", delay)

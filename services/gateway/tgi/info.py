@@ -8,7 +8,6 @@ import logging
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from redis.exceptions import RedisError
 
 from services.gateway.metrics import CONTENT_TYPE
 from services.gateway.pipeline.errors import ValidationError, unhealthy
@@ -16,7 +15,7 @@ from services.gateway.pipeline.tokenizer import TokenizerError
 from services.gateway.state import GatewayState
 from services.gateway.tgi.routes import decode, gateway
 from services.gateway.tgi.schemas import TokenizeBody
-from shared.bus import REDIS_ERRORS, as_bytes
+from shared.bus import REDIS_FAILURES, as_bytes
 from shared.codec import decode as decode_message
 from shared.messages import Heartbeat, WorkerReady
 from shared.settings import step_tokens
@@ -43,7 +42,7 @@ async def has_ready_group(state: GatewayState) -> bool:
                     pipe.exists(channels.worker(group))
                     pipe.get(channels.heartbeat(group))
                 replies = await pipe.execute()
-    except (RedisError, *REDIS_ERRORS) as exc:
+    except REDIS_FAILURES as exc:
         log.debug("health check: Redis unreachable: %s", exc)
         return False
     for has_worker, beat in zip(replies[::2], replies[1::2], strict=True):
@@ -61,7 +60,7 @@ async def any_worker(state: GatewayState) -> WorkerReady | None:
                 ready = await state.redis().get(state.channels.worker(group))
                 if ready is not None:
                     return decode_message(as_bytes(ready), WorkerReady)
-    except (RedisError, *REDIS_ERRORS) as exc:
+    except REDIS_FAILURES as exc:
         log.debug("/info: Redis unreachable: %s", exc)
     return None
 
@@ -88,7 +87,7 @@ async def info(request: Request) -> JSONResponse:
     worker = await any_worker(state)
     try:
         adapters = [ref.name for ref in await state.adapters().all()]
-    except (RedisError, *REDIS_ERRORS) as exc:
+    except REDIS_FAILURES as exc:
         log.debug("/info: Redis unreachable: %s", exc)
         adapters = None
     return JSONResponse(
