@@ -45,6 +45,32 @@
 #include <string.h>
 
 typedef uint16_t bf16_t;
+
+/* The matmuls' requests for a later weight panel (f32_linear.inc, bf16_dot_linear.inc): the
+ * cache lines from `at` up to `end` still to ask memory for. */
+typedef struct {
+    const char *at, *end;
+} line_run;
+
+/* ask memory for the next `count` lines of `run` (prefetcht0), as far as it goes */
+static inline void ask_lines(line_run *run, int count) {
+    for (int line = 0; line < count && run->at < run->end; line++) {
+        __builtin_prefetch(run->at);
+        run->at += 64;
+    }
+}
+
+#if defined(HAS_AMX_LINEAR) || defined(HAS_BF16_DOT_LINEAR)
+/* 32 bfloat16 values as two float32 vectors (masked: n may end inside a pair of panels, so
+ * `columns` says which to read); the bfloat16 matmuls' bias */
+static inline void bf16x32_to_floats(const bf16_t *values, __mmask32 columns, __m512 *floats) {
+    __m512i raw = _mm512_maskz_loadu_epi16(columns, values);
+    __m512i low16 = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw));
+    __m512i high16 = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1));
+    floats[0] = _mm512_castsi512_ps(_mm512_slli_epi32(low16, 16));
+    floats[1] = _mm512_castsi512_ps(_mm512_slli_epi32(high16, 16));
+}
+#endif
 /* The attention and LoRA kernels' vectors: the widest this build's instruction set holds in
  * one register. A 64-byte vector without AVX512 makes GCC shuffle every operation through the
  * stack (movq/vpinsrq): the AVX2 build's batch-32 attention ran at 4 GB/s from L3. */
