@@ -1,6 +1,8 @@
 """torch.compile off and on, in process, on a GPU (issue 22): for each, the batch-1 decode step
 against the HBM roofline (the whole engine step, and the graph replay alone), a batch-32 decode
-step, and the first token of one 128-token prompt (an eager step). One JSON object on stdout.
+step, the first token of one 128-token prompt (an eager step), and the first tokens of 32 such
+prompts in one step, their attention through the Triton tile kernel and through SDPA. One JSON
+object on stdout.
 
     python3 scripts/gpu_compile_ab.py [SHAPE]   # a --random-model shape, default llama-3.2-1b
 """
@@ -22,16 +24,21 @@ from services.engine import Engine
 KV_CACHE_BYTES = 8_000_000_000  # each engine's cache (the two load one after the other)
 
 
-def first_token_ms(engine: Engine, vocab: int, repeats: int = 5) -> float:
-    """Best of `repeats` single 128-token prompts, each distinct (no prefix-cache hit), to their
-    first token."""
+def first_token_ms(engine: Engine, vocab: int, count: int = 1, repeats: int = 5) -> float:
+    """Best of `repeats` rounds of `count` 128-token prompts added together, to their first
+    tokens; every prompt distinct (no prefix-cache hit)."""
     best = float("inf")
     for k in range(repeats):
-        prompt = [(97 * k + 31 * j) % (vocab - 3) + 3 for j in range(128)]
+        salt = 1000 * count + k
+        prompts = [
+            [(97 * salt + 31 * j + 7 * i) % (vocab - 3) + 3 for j in range(128)]
+            for i in range(count)
+        ]
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         started = time.perf_counter()
-        engine.add(prompt, 1)
+        for prompt in prompts:
+            engine.add(prompt, 1)
         engine.run()
         best = min(best, time.perf_counter() - started)
     return round(best * 1000, 3)
@@ -69,6 +76,14 @@ def measure(folder: str, compile: bool) -> dict:
     result["compiled"] = bool(getattr(backend, "compile", False))
     vocab = engine.tokenizer.get_vocab_size()
     result["first_token_ms"] = first_token_ms(engine, vocab)
+    if hasattr(backend, "tiles"):  # CudaPaged
+        # 32 prompts in one step: their chunks attended as tiles by the Triton kernel, then
+        # (the check's answer forced) one request at a time through SDPA
+        tiles = backend.tiles
+        result["first_tokens_32_prompts_ms"] = {"tiles": first_token_ms(engine, vocab, 32, 3)}
+        backend.tiles = False
+        result["first_tokens_32_prompts_ms"]["sdpa"] = first_token_ms(engine, vocab, 32, 3)
+        backend.tiles = tiles
     result["roofline_batch1"] = memory_roofline(engine, 256)
     prompts = [[(7 * i + 13 * j) % (vocab - 3) + 3 for j in range(256)] for i in range(32)]
     step_s, sizes = timed_decode_steps(engine, prompts, 16)

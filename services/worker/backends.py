@@ -74,6 +74,7 @@ class ForwardBackend(ABC):
     spare_blocks: int = 0  # KV blocks allocated past the scheduler's, for the backend's use
     graph_steps: int = 0  # steps replayed from a CUDA graph so far (CudaPaged)
     compiled_steps: int = 0  # steps run by the compiled model outside a graph so far (CudaPaged)
+    tiled_chunks: int = 0  # prompt chunks attended as tiles by the Triton kernel so far (CudaPaged)
 
     def block_size(self, requested: int, device: torch.device, shape: Any) -> int:
         """The KV block size the backend can read, given the one asked for."""

@@ -3,10 +3,11 @@ the model under torch.compile.
 
 Eager steps (prompt chunks, mixed steps, LoRA, speculative drafts): transformers' modules with
 textgen's paged attention function, compiled (`CudaPaged.compiled`) for steps of 2 tokens or
-more unless LoRA hooks are on the modules. Requests of at most ROW_QUERIES queries (decodes, drafts)
-are query rows of one Triton kernel that reads their blocks in place
-(services/worker/triton_attention.py); longer prompt chunks go to PyTorch's SDPA one request at
-a time. With flash-attn installed, every request goes through flash_attn_varlen_func instead.
+more unless LoRA hooks are on the modules. Requests of at most ROW_QUERIES queries (decodes,
+drafts) are query rows of one Triton kernel, longer prompt chunks tiles of TILE_QUERIES queries
+(services/worker/paged_attention.py) of another; both read the requests' blocks in place
+(services/worker/triton_attention.py), so a layer's attention is two launches whatever the step
+holds. With flash-attn installed, every request goes through flash_attn_varlen_func instead.
 
 Decode steps (every request one query, nothing else asked of the pass) replay a CUDA graph: at
 load, the whole forward pass is captured once per batch size in `sizes` (TGI's --cuda-graphs),
@@ -45,12 +46,13 @@ from services.worker.paged_attention import (
     METADATA_KWARG,
     AttentionMetadata,
     RowTables,
+    row_tables,
 )
 
 log = logging.getLogger(__name__)
 
 TRITON = "triton"  # the attention name the worker reports (/info model_attention)
-ROW_QUERIES = 16  # requests with at most this many queries this step go to the Triton kernel
+ROW_QUERIES = 16  # requests with at most this many queries this step are kernel rows
 
 
 def default_sizes(max_batch_size: int) -> list[int]:
@@ -61,35 +63,6 @@ def default_sizes(max_batch_size: int) -> list[int]:
     if sizes[-1] != max_batch_size:
         sizes.append(max_batch_size)
     return sizes
-
-
-def row_tables(
-    batch: PackedBatch, requests: list[int], block_size: int, device: torch.device
-) -> RowTables:
-    """One row per query of each of `requests` (indices into the step), with its causal key
-    count; the tables travel to the device in one copy."""
-    rows: list[int] = []
-    row_request: list[int] = []
-    row_lens: list[int] = []
-    for index, i in enumerate(requests):
-        start, end = batch.query_start[i], batch.query_start[i + 1]
-        context_len = batch.context_lens[i]
-        rows.extend(range(start, end))
-        row_request.extend([index] * (end - start))
-        row_lens.extend(range(context_len - (end - start) + 1, context_len + 1))
-    table, max_blocks = PagedKVCache.padded_block_tables(
-        [batch.block_tables[i] for i in requests],
-        [batch.context_lens[i] for i in requests],
-        block_size,
-    )
-    packed = torch.tensor(rows + row_request + row_lens + table, dtype=torch.int32).to(device)
-    n = len(rows)
-    return RowTables(
-        rows=packed[:n],
-        row_request=packed[n : 2 * n],
-        row_lens=packed[2 * n : 3 * n],
-        block_tables=packed[3 * n :].view(len(requests), max_blocks),
-    )
 
 
 @dataclass
@@ -131,6 +104,8 @@ class CudaPaged(TransformersPaged):
         self.flash = flash  # flash-attn is installed: it attends the eager steps
         self.graph_steps = 0  # steps replayed from a graph
         self.compiled_steps = 0  # steps of 2 tokens or more run by the compiled model
+        self.tiled_chunks = 0  # prompt chunks attended as tiles
+        self.tiles: bool | None = None  # the tile kernel runs here (None: not checked yet)
         self.name = flash_attention.FLASH_ATTN if flash else TRITON
 
     def block_size(self, requested: int, device: torch.device, shape: Any) -> int:
@@ -149,17 +124,35 @@ class CudaPaged(TransformersPaged):
         query_start = batch.query_start
         q_lens = [end - start for start, end in zip(query_start, query_start[1:])]
         short = [i for i, q_len in enumerate(q_lens) if q_len <= ROW_QUERIES]
-        if short:
-            meta.rows = row_tables(batch, short, block_size, self.device)
-        is_short = set(short)
-        meta.prefill_indices = [i for i in range(len(q_lens)) if i not in is_short]
-        meta.context_slots = [
-            torch.empty(0, dtype=torch.long)
-            if i in is_short
-            else kv_cache.slots(batch.block_tables[i], batch.context_lens[i]).to(self.device)
-            for i in range(len(q_lens))
-        ]
+        long = [i for i, q_len in enumerate(q_lens) if q_len > ROW_QUERIES]
+        if long and not self.tiles_agree(kv_cache):  # the longer chunks on SDPA, one by one
+            meta.rows = row_tables(batch, short, [], block_size, self.device) if short else None
+            meta.prefill_indices = long
+            meta.context_slots = [
+                kv_cache.slots(batch.block_tables[i], batch.context_lens[i]).to(self.device)
+                if q_len > ROW_QUERIES
+                else torch.empty(0, dtype=torch.long)
+                for i, q_len in enumerate(q_lens)
+            ]
+            return meta
+        meta.rows = row_tables(batch, short, long, block_size, self.device)
+        self.tiled_chunks += len(long)
+        meta.prefill_indices = []  # every query is the kernels'
         return meta
+
+    def tiles_agree(self, kv_cache: PagedKVCache) -> bool:
+        """Whether the tile kernel runs here (checked once, at the first longer chunk)."""
+        if self.tiles is None:
+            from services.worker import triton_attention  # Triton: only where this runs
+
+            config: Any = self.model.config
+            group = config.num_attention_heads // getattr(
+                config, "num_key_value_heads", config.num_attention_heads
+            )
+            cache = kv_cache.keys[0]  # [num_slots, num_kv_heads, head_dim]
+            dtype, head_dim = cache.dtype, int(cache.shape[2])
+            self.tiles = triton_attention.tiles_agree(self.device, dtype, head_dim, group)
+        return self.tiles
 
     def prepare(self, batch: PackedBatch, kv_cache: PagedKVCache) -> Any:  # or a GraphStep
         num_rows = len(batch.states)

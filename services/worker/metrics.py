@@ -101,6 +101,11 @@ class WorkerMetrics:
             "steps of 2 tokens or more run by the model under torch.compile outside a CUDA graph",
             registry=r,
         )
+        self.tiled_chunks = Counter(
+            "textgen_worker_tiled_prompt_chunks",
+            "prompt chunks of more than 16 queries attended as tiles by the Triton tile kernel",
+            registry=r,
+        )
         self.requests = Gauge("textgen_worker_requests", "requests held", registry=r)
         self.kv_blocks = Gauge("textgen_worker_kv_blocks", "KV-cache blocks allocated", registry=r)
         # constrained decoding (services/worker/grammar.py)

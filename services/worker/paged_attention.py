@@ -18,10 +18,11 @@ Decodes (one query each) are attended together in one call over their block tabl
 the longest context (`DecodeGroup`): whole blocks are gathered (one row copy per block, not
 one per token), and on CPU in half precision the attention is two batched matmuls with a
 float32 softmax (PyTorch's CPU flash kernel is several times slower there). Prompt chunks are
-attended one request at a time. On CUDA (services/worker/cuda_graphs.py) decodes and short
-chunks are instead query rows of one Triton kernel that reads the blocks in place
-(`RowTables`, services/worker/triton_attention.py), and with flash-attn installed a layer's
-attention is one flash_attn_varlen_func call (services/worker/flash_attention.py).
+attended one request at a time. On CUDA (services/worker/cuda_graphs.py) every query goes
+through Triton kernels that read the blocks in place (`RowTables`,
+services/worker/triton_attention.py): decodes and short chunks as rows, longer prompt chunks as
+tiles of consecutive queries; with flash-attn installed a layer's attention is one
+flash_attn_varlen_func call instead (services/worker/flash_attention.py).
 
 Under torch.compile (the CUDA path's graphs and eager steps) the keyword argument is IN_GRAPH
 instead and the metadata sits in GRAPH_STEP: each layer's attention is then one custom
@@ -32,6 +33,7 @@ modules' element-wise work around it while the attention runs as above.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +41,11 @@ import torch.nn.functional as F
 from services.worker import flash_attention
 from services.worker.kv_cache import PagedKVCache
 
+if TYPE_CHECKING:
+    from services.worker.backends import PackedBatch
+
 ATTENTION_NAME = "textgen_paged"
+TILE_QUERIES = 64  # queries per tile of a longer prompt chunk (the tile kernel's BLOCK_M)
 METADATA_KWARG = "textgen_attention"
 
 
@@ -52,30 +58,110 @@ class DecodeGroup:
 
 
 @dataclass
+class TileTables:
+    """Prompt chunks cut into tiles of at most `block_m` consecutive queries of one request,
+    each tile attended by one program of the Triton tile kernel (CUDA)."""
+
+    start: torch.Tensor  # [num_tiles] int32 packed token of the tile's first query
+    rows: torch.Tensor  # [num_tiles] int32 queries in the tile
+    request: torch.Tensor  # [num_tiles] int32 the tile's request (its block_tables row)
+    lens: torch.Tensor  # [num_tiles] int32 keys the tile's first query sees (causal)
+    block_m: int  # queries per tile at most (the kernel's BLOCK_M)
+
+
+@dataclass
 class RowTables:
-    """Query rows attended in place over the paged cache by the Triton kernel (CUDA)."""
+    """Queries attended in place over the paged cache by the Triton kernels (CUDA): decodes and
+    short chunks as rows, a query each; longer prompt chunks as `tiles`."""
 
     rows: torch.Tensor  # [num_rows] int32 packed token of each row
     row_request: torch.Tensor  # [num_rows] int32 the row's request (its block_tables row)
     row_lens: torch.Tensor  # [num_rows] int32 keys the row sees (causal)
     block_tables: torch.Tensor  # [num_requests, max_blocks] int32 block ids
+    tiles: TileTables | None = None  # the longer chunks' queries (None: there are none)
 
     def attend(self, out, query, k_cache, v_cache, block_size, scaling, sliding_window) -> None:
         from services.worker import triton_attention  # Triton: only where this runs (CUDA)
 
-        triton_attention.attend_rows(
-            out,
-            query,
-            k_cache,
-            v_cache,
-            self.rows,
-            self.row_request,
-            self.row_lens,
-            self.block_tables,
-            block_size,
-            scaling,
-            sliding_window,
-        )
+        if self.rows.shape[0]:
+            triton_attention.attend_rows(
+                out,
+                query,
+                k_cache,
+                v_cache,
+                self.rows,
+                self.row_request,
+                self.row_lens,
+                self.block_tables,
+                block_size,
+                scaling,
+                sliding_window,
+            )
+        tiles = self.tiles
+        if tiles is not None:
+            triton_attention.attend_tiles(
+                out,
+                query,
+                k_cache,
+                v_cache,
+                tiles.start,
+                tiles.rows,
+                tiles.request,
+                tiles.lens,
+                self.block_tables,
+                block_size,
+                scaling,
+                sliding_window,
+                tiles.block_m,
+            )
+
+
+def row_tables(
+    batch: PackedBatch,  # the step (its query_start, context_lens and block_tables)
+    short: list[int],
+    long: list[int],
+    block_size: int,
+    device: torch.device,
+    block_m: int = TILE_QUERIES,
+) -> RowTables:
+    """One row per query of each of the `short` requests (indices into the step), with its
+    causal key count, and tiles of at most `block_m` queries of each of the `long` ones; the
+    tables travel to the device in one copy."""
+    rows: list[int] = []
+    row_request: list[int] = []
+    row_lens: list[int] = []
+    for index, i in enumerate(short):
+        start, end = batch.query_start[i], batch.query_start[i + 1]
+        context_len = batch.context_lens[i]
+        rows.extend(range(start, end))
+        row_request.extend([index] * (end - start))
+        row_lens.extend(range(context_len - (end - start) + 1, context_len + 1))
+    tiles: list[list[int]] = [[], [], [], []]  # start, rows, request, lens
+    for index, i in enumerate(long, start=len(short)):
+        start, end = batch.query_start[i], batch.query_start[i + 1]
+        first_len = batch.context_lens[i] - (end - start) + 1
+        for offset in range(0, end - start, block_m):
+            tiles[0].append(start + offset)
+            tiles[1].append(min(block_m, end - start - offset))
+            tiles[2].append(index)
+            tiles[3].append(first_len + offset)
+    requests = short + long
+    table, max_blocks = PagedKVCache.padded_block_tables(
+        [batch.block_tables[i] for i in requests],
+        [batch.context_lens[i] for i in requests],
+        block_size,
+    )
+    flat = rows + row_request + row_lens + [value for column in tiles for value in column]
+    packed = torch.tensor(flat + table, dtype=torch.int32).to(device)
+    n, t = len(rows), len(tiles[0])
+    columns = packed[3 * n : 3 * n + 4 * t].view(4, t)
+    return RowTables(
+        rows=packed[:n],
+        row_request=packed[n : 2 * n],
+        row_lens=packed[2 * n : 3 * n],
+        block_tables=packed[3 * n + 4 * t :].view(len(requests), max_blocks),
+        tiles=TileTables(columns[0], columns[1], columns[2], columns[3], block_m) if t else None,
+    )
 
 
 @dataclass
@@ -86,7 +172,7 @@ class AttentionMetadata:
     context_lens: list[int]  # [num_requests] cached tokens per request after this step
     context_slots: list[torch.Tensor]  # per request: [context_len] slots (empty: flash path)
     decodes: DecodeGroup | None = None  # single-query requests, attended together
-    rows: RowTables | None = None  # CUDA: short requests' queries through the Triton kernel
+    rows: RowTables | None = None  # CUDA: queries through the Triton kernels
     prefill_indices: list[int] | None = None  # requests attended one by one (None: all)
     # set on CUDA with flash-attn: every request attended in one flash_attn_varlen_func call
     flash: flash_attention.FlashMetadata | None = None

@@ -41,6 +41,8 @@ MAX_BACKOFF_S = 1.0  # between Redis retries: a failover takes seconds, follow i
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TTL_S = 5
 RESULTS_MAXLEN = 1000
+# the backend's running counts that the metrics of the same names follow
+STEP_COUNTS = ("graph_steps", "compiled_steps", "tiled_chunks")
 
 
 class WorkerService:
@@ -93,8 +95,8 @@ class WorkerService:
         # every forward on the thread that loaded the model: see services/worker/main.py
         self._forward_thread = torch_thread or ThreadPoolExecutor(1, thread_name_prefix="torch")
         self._last_step_end: float | None = None  # perf_counter, on the torch thread
-        # the backend's graph_steps and compiled_steps counted into the metrics so far
-        self._graph_steps = self._compiled_steps = 0
+        # the backend's counts (STEP_COUNTS) already added to the metrics
+        self._counted = dict.fromkeys(STEP_COUNTS, 0)
         self._is_cancelled = False  # the event loop gave up on the torch thread's loop
 
     def ready_message(self) -> WorkerReady:
@@ -271,9 +273,10 @@ class WorkerService:
         self.metrics.grammar_waits.inc(sum(o.awaits_grammar for o in result.outputs))
         self.metrics.requests.set(len(self.runner.requests))
         backend = self.runner.backend
-        self.metrics.graph_steps.inc(backend.graph_steps - self._graph_steps)
-        self.metrics.compiled_steps.inc(backend.compiled_steps - self._compiled_steps)
-        self._graph_steps, self._compiled_steps = backend.graph_steps, backend.compiled_steps
+        for name in STEP_COUNTS:
+            count = getattr(backend, name)
+            getattr(self.metrics, name).inc(count - self._counted[name])
+            self._counted[name] = count
         if result.error:
             self.metrics.step_failures.inc()
         if self.is_last_step_ok != (not result.error):

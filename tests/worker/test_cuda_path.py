@@ -103,6 +103,7 @@ def test_alone_and_busy_batch_with_chunked_prefill_match_generate(tiny_llama, dt
     assert counters.num_prefill_chunks > 0 and counters.num_mixed_steps > 0
     assert backend(engine).graph_steps > 0  # decode steps replayed graphs
     assert backend(engine).compiled_steps > 0  # prompt and mixed steps ran compiled
+    assert backend(engine).tiled_chunks > 0  # longer prompt chunks were the tile kernel's
     assert engine.scheduler.blocks.num_free_blocks == 200
 
 

@@ -8,18 +8,20 @@ also run here on the CPU through the interpreter, greedy-equal to transformers."
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from services.worker import runtime
-from services.worker.cuda_graphs import TRITON, CudaPaged
+from services.worker import runtime, triton_attention
+from services.worker.cuda_graphs import ROW_QUERIES, TRITON, CudaPaged
 from services.worker.kv_cache import CacheShape, PagedKVCache
 from services.worker.loader import load_model
 from services.worker.paged_attention import (
     METADATA_KWARG,
     AttentionMetadata,
-    RowTables,
     paged_attention_forward,
+    row_tables,
 )
 from tests.support.engine_loop import EngineLoop, make_request
 from tests.support.reference import greedy_continuation, reference_model
@@ -29,71 +31,73 @@ NUM_KV_HEADS, GROUP, HEAD_DIM = 2, 3, 24  # a head_dim that is no power of two
 NUM_HEADS = NUM_KV_HEADS * GROUP
 
 # (q_len, context_len, block ids): decodes within, across and at the end of a block, a chunk
-# of 5 queries after 30 cached tokens, a one-token prompt; scattered blocks, some ahead
+# of 5 queries after 30 cached tokens, a one-token prompt; scattered blocks, some ahead; a
+# chunk of 40 queries after 30 cached tokens and a whole 33-token prompt (three and three
+# tiles of TILE_M queries, the last ones partial)
 BATCH = [
     (1, 37, [6, 1, 9, 4]),
     (5, 35, [2, 7, 3]),
     (1, 1, [10]),
     (1, 32, [0, 5]),
     (1, 70, [11, 8, 12, 13, 14]),
+    (40, 70, [19, 15, 18, 16, 17]),
+    (33, 33, [22, 20, 21]),
 ]
+TILE_M = 16  # the tile kernel's queries per tile here (TILE_QUERIES serves; 16 cuts more)
 
 
 def kernel_and_sdpa(dtype: torch.dtype, device: torch.device, window: int | None):
-    """One layer's attention output of BATCH through the kernel's rows and through SDPA."""
+    """One layer's attention output of BATCH through SDPA, through the row kernel alone (every
+    query a row) and through both kernels (chunks of more than ROW_QUERIES as tiles)."""
     gen = torch.Generator().manual_seed(0)
-    cache = PagedKVCache(CacheShape(1, NUM_KV_HEADS, HEAD_DIM, dtype), 16, BLOCK, device)
+    cache = PagedKVCache(CacheShape(1, NUM_KV_HEADS, HEAD_DIM, dtype), 24, BLOCK, device)
     cache.keys[0].copy_(torch.randn(cache.keys[0].shape, generator=gen))
     cache.values[0].copy_(torch.randn(cache.values[0].shape, generator=gen))
     query_start, context_lens, new_slots, context_slots = [0], [], [], []
-    rows, row_request, row_lens = [], [], []
-    for i, (q_len, context_len, blocks) in enumerate(BATCH):
+    for q_len, context_len, blocks in BATCH:
         slots = cache.slots(blocks, context_len)
         new_slots.append(slots[context_len - q_len :])
         context_slots.append(slots.to(device))
-        rows.extend(range(query_start[-1], query_start[-1] + q_len))
-        row_request.extend([i] * q_len)
-        row_lens.extend(range(context_len - q_len + 1, context_len + 1))
         context_lens.append(context_len)
         query_start.append(query_start[-1] + q_len)
-    table, max_blocks = PagedKVCache.padded_block_tables(
-        [blocks for *_, blocks in BATCH], context_lens, BLOCK
+    batch = SimpleNamespace(
+        query_start=query_start,
+        context_lens=context_lens,
+        block_tables=[blocks for *_, blocks in BATCH],
     )
-
-    def int32(values):
-        return torch.tensor(values, dtype=torch.int32, device=device)
-
+    everything = list(range(len(BATCH)))
+    short = [i for i, (q_len, *_) in enumerate(BATCH) if q_len <= ROW_QUERIES]
+    long = [i for i in everything if i not in short]
     num_tokens = query_start[-1]
     query = torch.randn(1, NUM_HEADS, num_tokens, HEAD_DIM, generator=gen).to(device, dtype)
     key = torch.randn(1, NUM_KV_HEADS, num_tokens, HEAD_DIM, generator=gen).to(device, dtype)
     value = torch.randn(1, NUM_KV_HEADS, num_tokens, HEAD_DIM, generator=gen).to(device, dtype)
     layer = type("Layer", (), {"layer_idx": 0})()
     outputs = []
-    for use_rows in (False, True):
+    for tables in (None, (everything, []), (short, long)):
         meta = AttentionMetadata(
             kv_cache=cache,
             slot_mapping=torch.cat(new_slots).to(device),
             query_start=query_start,
             context_lens=context_lens,
             context_slots=context_slots,
-            prefill_indices=[] if use_rows else None,
-            rows=RowTables(
-                int32(rows), int32(row_request), int32(row_lens), int32(table).view(-1, max_blocks)
-            )
-            if use_rows
-            else None,
+            prefill_indices=None if tables is None else [],
+            rows=None if tables is None else row_tables(batch, *tables, BLOCK, device, TILE_M),
         )
         kwargs = {"scaling": 0.3, "sliding_window": window, METADATA_KWARG: meta}
         out, _ = paged_attention_forward(layer, query, key, value, None, **kwargs)
         outputs.append(out[0].float())  # [num_tokens, num_heads, head_dim]
+    assert outputs[2] is not None and meta.rows is not None and meta.rows.tiles is not None
+    assert meta.rows.tiles.start.shape[0] == 3 + 3  # the tiles were taken
     return outputs
 
 
 @pytest.mark.parametrize("window", [None, 20])
-def test_kernel_matches_sdpa(window):
+def test_kernels_match_sdpa(window):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    sdpa, rows = kernel_and_sdpa(torch.float32, device, window)
+    sdpa, rows, tiles = kernel_and_sdpa(torch.float32, device, window)
     assert torch.allclose(rows, sdpa, atol=1e-5), (rows - sdpa).abs().max()
+    assert torch.allclose(tiles, sdpa, atol=1e-5), (tiles - sdpa).abs().max()
 
 
 @pytest.mark.gpu
@@ -101,16 +105,37 @@ def test_kernel_matches_sdpa(window):
 @pytest.mark.parametrize(
     ("dtype", "tolerance"), [(torch.float16, 5e-3), (torch.bfloat16, 3e-2)], ids=["fp16", "bf16"]
 )
-def test_kernel_matches_sdpa_in_half_precision_on_cuda(window, dtype, tolerance):
-    sdpa, rows = kernel_and_sdpa(dtype, torch.device("cuda"), window)
+def test_kernels_match_sdpa_in_half_precision_on_cuda(window, dtype, tolerance):
+    sdpa, rows, tiles = kernel_and_sdpa(dtype, torch.device("cuda"), window)
     assert torch.allclose(rows, sdpa, atol=tolerance), (rows - sdpa).abs().max()
+    assert torch.allclose(tiles, sdpa, atol=tolerance), (tiles - sdpa).abs().max()
 
 
-def test_eager_cuda_backend_on_the_cpu_matches_transformers(tiny_llama, monkeypatch):
-    """CudaPaged without graphs, its kernel interpreted: decodes and chunks of at most 16
-    queries through the rows, longer chunks through SDPA, in one busy batch."""
+def test_the_tile_kernel_check_sees_a_wrong_kernel(monkeypatch, caplog):
+    """tiles_agree passes the kernel as it is, and fails one whose output is left unwritten."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert triton_attention.tiles_agree(device, torch.float32, HEAD_DIM, GROUP)
+    monkeypatch.setattr(triton_attention, "attend_tiles", lambda *args: None)
+    with caplog.at_level("WARNING", logger=triton_attention.__name__):
+        assert not triton_attention.tiles_agree(device, torch.float32, HEAD_DIM, GROUP)
+    assert "tile kernel is off by" in caplog.text
+
+
+@pytest.mark.parametrize("tiles_run", [True, False], ids=["tiles", "no-tile-kernel"])
+def test_eager_cuda_backend_on_the_cpu_matches_transformers(
+    tiny_llama, monkeypatch, caplog, tiles_run
+):
+    """CudaPaged without graphs, its kernels interpreted: decodes and chunks of at most 16
+    queries through the rows, longer chunks as tiles, in one busy batch; where the tile kernel
+    cannot run (its check at the first longer chunk raises), those chunks go to SDPA."""
     if torch.cuda.is_available():
         pytest.skip("the CPU run of the GPU backend; on a GPU, tests/worker/test_cuda_path.py")
+    if not tiles_run:
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("no tl.dot on this build")
+
+        monkeypatch.setattr(triton_attention, "attend_tiles", broken)
     loaded = load_model(str(tiny_llama), device="cpu", cpu_kernels=False)
     backends: list[CudaPaged] = []
 
@@ -129,13 +154,18 @@ def test_eager_cuda_backend_on_the_cpu_matches_transformers(tiny_llama, monkeypa
     ]
     for request in requests:
         engine.add(request)
-    engine.run()
+    with caplog.at_level("WARNING", logger=triton_attention.__name__):
+        engine.run()
     reference = reference_model(tiny_llama)
     for request in requests:
         expected = greedy_continuation(reference, request.input_ids, 6, loaded.eos_token_ids)
         assert engine.tokens[request.request_id] == expected
     assert engine.scheduler.counters.num_prefill_chunks > 0
     assert max(engine.step_sizes) > 1
+    # chunks of 17 to 40 queries went to the tile kernel, or to SDPA with a warning
+    assert backends[0].tiles is tiles_run
+    assert (backends[0].tiled_chunks > 0) is tiles_run
+    assert ("prompt chunks go to SDPA" in caplog.text) is not tiles_run
 
 
 class EagerReplay:
