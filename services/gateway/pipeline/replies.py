@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from shared.bus import REDIS_FAILURES
 from shared.codec import decode
@@ -208,7 +207,7 @@ class ReplyRouter:
         try:
             server = await self.client.info("server")
             replication = await self.client.info("replication")
-        except RedisError as exc:  # the subscription decides whether Redis is there
+        except REDIS_FAILURES as exc:  # the subscription decides whether Redis is there
             log.debug("no Redis identity: %s", exc)
             return
         epoch = (str(server.get("run_id", "")), str(replication.get("master_replid", "")))
