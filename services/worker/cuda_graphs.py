@@ -6,8 +6,9 @@ textgen's paged attention function, compiled (`CudaPaged.compiled`) for steps of
 more unless LoRA hooks are on the modules. Requests of at most ROW_QUERIES queries (decodes,
 drafts) are query rows of one Triton kernel, longer prompt chunks tiles of TILE_QUERIES queries
 (services/worker/paged_attention.py) of another; both read the requests' blocks in place
-(services/worker/triton_attention.py), so a layer's attention is two launches whatever the step
-holds. With flash-attn installed, every request goes through flash_attn_varlen_func instead.
+(services/worker/triton_attention.py, triton_tiles.py), so a layer's attention is two launches
+whatever the step holds. With flash-attn installed, every request goes through
+flash_attn_varlen_func instead.
 
 Decode steps (every request one query, nothing else asked of the pass) replay a CUDA graph: at
 load, the whole forward pass is captured once per batch size in `sizes` (TGI's --cuda-graphs),
@@ -143,7 +144,7 @@ class CudaPaged(TransformersPaged):
     def tiles_agree(self, kv_cache: PagedKVCache) -> bool:
         """Whether the tile kernel runs here (checked once, at the first longer chunk)."""
         if self.tiles is None:
-            from services.worker import triton_attention  # Triton: only where this runs
+            from services.worker import triton_tiles  # Triton: only where this runs
 
             config: Any = self.model.config
             group = config.num_attention_heads // getattr(
@@ -151,7 +152,7 @@ class CudaPaged(TransformersPaged):
             )
             cache = kv_cache.keys[0]  # [num_slots, num_kv_heads, head_dim]
             dtype, head_dim = cache.dtype, int(cache.shape[2])
-            self.tiles = triton_attention.tiles_agree(self.device, dtype, head_dim, group)
+            self.tiles = triton_tiles.tiles_agree(self.device, dtype, head_dim, group)
         return self.tiles
 
     def prepare(self, batch: PackedBatch, kv_cache: PagedKVCache) -> Any:  # or a GraphStep

@@ -19,10 +19,10 @@ the longest context (`DecodeGroup`): whole blocks are gathered (one row copy per
 one per token), and on CPU in half precision the attention is two batched matmuls with a
 float32 softmax (PyTorch's CPU flash kernel is several times slower there). Prompt chunks are
 attended one request at a time. On CUDA (services/worker/cuda_graphs.py) every query goes
-through Triton kernels that read the blocks in place (`RowTables`,
-services/worker/triton_attention.py): decodes and short chunks as rows, longer prompt chunks as
-tiles of consecutive queries; with flash-attn installed a layer's attention is one
-flash_attn_varlen_func call instead (services/worker/flash_attention.py).
+through Triton kernels that read the blocks in place (`RowTables`;
+services/worker/triton_attention.py, triton_tiles.py): decodes and short chunks as rows,
+longer prompt chunks as tiles of consecutive queries; with flash-attn installed a layer's
+attention is one flash_attn_varlen_func call instead (services/worker/flash_attention.py).
 
 Under torch.compile (the CUDA path's graphs and eager steps) the keyword argument is IN_GRAPH
 instead and the metadata sits in GRAPH_STEP: each layer's attention is then one custom
@@ -81,7 +81,8 @@ class RowTables:
     tiles: TileTables | None = None  # the longer chunks' queries (None: there are none)
 
     def attend(self, out, query, k_cache, v_cache, block_size, scaling, sliding_window) -> None:
-        from services.worker import triton_attention  # Triton: only where this runs (CUDA)
+        # Triton: only where this runs (CUDA)
+        from services.worker import triton_attention, triton_tiles
 
         if self.rows.shape[0]:
             triton_attention.attend_rows(
@@ -99,7 +100,7 @@ class RowTables:
             )
         tiles = self.tiles
         if tiles is not None:
-            triton_attention.attend_tiles(
+            triton_tiles.attend_tiles(
                 out,
                 query,
                 k_cache,

@@ -1,10 +1,12 @@
-"""The Triton paged-attention kernel (services/worker/triton_attention.py) against PyTorch's
-SDPA path over the same paged cache: decodes, chunk rows, grouped heads, sliding windows.
+"""The Triton paged-attention kernels (services/worker/triton_attention.py: query rows, split
+or not; triton_tiles.py: prompt chunks in tiles) against PyTorch's SDPA path over the same
+paged cache: decodes, chunks, grouped heads, sliding windows.
 
-Without a GPU it runs in Triton's interpreter (CI; tests/conftest.py sets TRITON_INTERPRET
+Without a GPU they run in Triton's interpreter (CI; tests/conftest.py sets TRITON_INTERPRET
 before anything imports Triton); with one (marked gpu) compiled, in half precision too. The
-whole eager CUDA backend (its row tables, prompt chunks on SDPA) and the decode-graph path
-also run here on the CPU through the interpreter, greedy-equal to transformers."""
+whole eager CUDA backend (its row and tile tables, or SDPA where the tile kernel cannot run)
+and the decode-graph path also run here on the CPU through the interpreter, greedy-equal to
+transformers."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.worker import runtime, triton_attention
+from services.worker import runtime, triton_tiles
 from services.worker.cuda_graphs import ROW_QUERIES, TRITON, CudaPaged
 from services.worker.kv_cache import CacheShape, PagedKVCache
 from services.worker.loader import load_model
@@ -114,10 +116,10 @@ def test_kernels_match_sdpa_in_half_precision_on_cuda(window, dtype, tolerance):
 def test_the_tile_kernel_check_sees_a_wrong_kernel(monkeypatch, caplog):
     """tiles_agree passes the kernel as it is, and fails one whose output is left unwritten."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    assert triton_attention.tiles_agree(device, torch.float32, HEAD_DIM, GROUP)
-    monkeypatch.setattr(triton_attention, "attend_tiles", lambda *args: None)
-    with caplog.at_level("WARNING", logger=triton_attention.__name__):
-        assert not triton_attention.tiles_agree(device, torch.float32, HEAD_DIM, GROUP)
+    assert triton_tiles.tiles_agree(device, torch.float32, HEAD_DIM, GROUP)
+    monkeypatch.setattr(triton_tiles, "attend_tiles", lambda *args: None)
+    with caplog.at_level("WARNING", logger=triton_tiles.__name__):
+        assert not triton_tiles.tiles_agree(device, torch.float32, HEAD_DIM, GROUP)
     assert "tile kernel is off by" in caplog.text
 
 
@@ -135,7 +137,7 @@ def test_eager_cuda_backend_on_the_cpu_matches_transformers(
         def broken(*args, **kwargs):
             raise RuntimeError("no tl.dot on this build")
 
-        monkeypatch.setattr(triton_attention, "attend_tiles", broken)
+        monkeypatch.setattr(triton_tiles, "attend_tiles", broken)
     loaded = load_model(str(tiny_llama), device="cpu", cpu_kernels=False)
     backends: list[CudaPaged] = []
 
@@ -154,7 +156,7 @@ def test_eager_cuda_backend_on_the_cpu_matches_transformers(
     ]
     for request in requests:
         engine.add(request)
-    with caplog.at_level("WARNING", logger=triton_attention.__name__):
+    with caplog.at_level("WARNING", logger=triton_tiles.__name__):
         engine.run()
     reference = reference_model(tiny_llama)
     for request in requests:
