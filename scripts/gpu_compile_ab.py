@@ -1,8 +1,9 @@
 """torch.compile off and on, in process, on a GPU (issue 22): for each, the batch-1 decode step
-against the HBM roofline (the whole engine step, and the graph replay alone), a batch-32 decode
-step, the first token of one 128-token prompt (an eager step), and the first tokens of 32 such
-prompts in one step, their attention through the Triton tile kernel and through SDPA. One JSON
-object on stdout.
+against the HBM roofline (the whole engine step, and the graph replay alone) with its kernels'
+device times (the decode rows' keys split in ranges, then not), a batch-32 decode step, the
+first token of one 128-token prompt (an eager step), and the first tokens of 32 such prompts in
+one step, their attention through the Triton tile kernel and through SDPA. One JSON object on
+stdout.
 
     python3 scripts/gpu_compile_ab.py [SHAPE]   # a --random-model shape, default llama-3.2-1b
 """
@@ -20,6 +21,7 @@ import torch
 from services.bench.ceiling import memory_roofline, timed_decode_steps
 from services.bench.random_model import build_random_model
 from services.engine import Engine
+from services.worker import triton_attention
 
 KV_CACHE_BYTES = 8_000_000_000  # each engine's cache (the two load one after the other)
 
@@ -93,6 +95,13 @@ def measure(folder: str, compile: bool) -> dict:
     result["compiled_steps"] = backend.compiled_steps
     if getattr(backend, "graphs", None) and 1 in backend.graphs:
         result["batch1_kernels"] = kernel_times(backend, engine.runner.kv_cache)
+        # the same with each decode row's keys in one range (the rows kernel unsplit)
+        splits = triton_attention.num_splits
+        triton_attention.num_splits = lambda rows, heads: 1
+        try:
+            result["batch1_kernels_unsplit"] = kernel_times(backend, engine.runner.kv_cache)
+        finally:
+            triton_attention.num_splits = splits
     del engine, backend
     gc.collect()
     if torch.cuda.is_available():

@@ -79,6 +79,7 @@ class RowTables:
     row_lens: torch.Tensor  # [num_rows] int32 keys the row sees (causal)
     block_tables: torch.Tensor  # [num_requests, max_blocks] int32 block ids
     tiles: TileTables | None = None  # the longer chunks' queries (None: there are none)
+    splits: int | None = None  # key ranges per row (None: as attend_rows picks)
 
     def attend(self, out, query, k_cache, v_cache, block_size, scaling, sliding_window) -> None:
         # Triton: only where this runs (CUDA)
@@ -97,6 +98,7 @@ class RowTables:
                 block_size,
                 scaling,
                 sliding_window,
+                self.splits,
             )
         tiles = self.tiles
         if tiles is not None:

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.worker import runtime, triton_tiles
+from services.worker import runtime, triton_attention, triton_tiles
 from services.worker.cuda_graphs import ROW_QUERIES, TRITON, CudaPaged
 from services.worker.kv_cache import CacheShape, PagedKVCache
 from services.worker.loader import load_model
@@ -86,6 +86,8 @@ def kernel_and_sdpa(dtype: torch.dtype, device: torch.device, window: int | None
             prefill_indices=None if tables is None else [],
             rows=None if tables is None else row_tables(batch, *tables, BLOCK, device, TILE_M),
         )
+        if tables is not None and tables[1]:
+            meta.rows.splits = 4  # the rows beside the tiles: each one's keys in 4 ranges
         kwargs = {"scaling": 0.3, "sliding_window": window, METADATA_KWARG: meta}
         out, _ = paged_attention_forward(layer, query, key, value, None, **kwargs)
         outputs.append(out[0].float())  # [num_tokens, num_heads, head_dim]
@@ -96,6 +98,10 @@ def kernel_and_sdpa(dtype: torch.dtype, device: torch.device, window: int | None
 
 @pytest.mark.parametrize("window", [None, 20])
 def test_kernels_match_sdpa(window):
+    """Rows alone (120 rows: one key range each), and rows with tiles (the 9 rows beside the
+    tiles split their keys in 4 ranges, some empty at these lengths, merged after; on a GPU
+    the launch would pick 4 too)."""
+    assert triton_attention.num_splits(9, NUM_HEADS) == 4
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sdpa, rows, tiles = kernel_and_sdpa(torch.float32, device, window)
     assert torch.allclose(rows, sdpa, atol=1e-5), (rows - sdpa).abs().max()
@@ -111,6 +117,16 @@ def test_kernels_match_sdpa_in_half_precision_on_cuda(window, dtype, tolerance):
     sdpa, rows, tiles = kernel_and_sdpa(dtype, torch.device("cuda"), window)
     assert torch.allclose(rows, sdpa, atol=tolerance), (rows - sdpa).abs().max()
     assert torch.allclose(tiles, sdpa, atol=tolerance), (tiles - sdpa).abs().max()
+
+
+def test_num_splits():
+    """Ranges enough for ~TARGET_PROGRAMS programs, in powers of two up to MAX_SPLITS."""
+    assert triton_attention.num_splits(1, 32) == 8  # a batch-1 decode of a 32-head model
+    assert triton_attention.num_splits(1, 9) == 16  # 144 programs
+    assert triton_attention.num_splits(1, 2) == triton_attention.MAX_SPLITS
+    assert triton_attention.num_splits(4, 32) == 2
+    assert triton_attention.num_splits(8, 32) == 1
+    assert triton_attention.num_splits(256, 32) == 1
 
 
 def test_the_tile_kernel_check_sees_a_wrong_kernel(monkeypatch, caplog):
