@@ -107,6 +107,7 @@ class CudaPaged(TransformersPaged):
         self.compiled_steps = 0  # steps of 2 tokens or more run by the compiled model
         self.tiled_chunks = 0  # prompt chunks attended as tiles
         self.tiles: bool | None = None  # the tile kernel runs here (None: not checked yet)
+        self.row_splits: int | None = None  # key ranges per decode row (None: as rows ask)
         self.name = flash_attention.FLASH_ATTN if flash else TRITON
 
     def block_size(self, requested: int, device: torch.device, shape: Any) -> int:
@@ -128,6 +129,8 @@ class CudaPaged(TransformersPaged):
         long = [i for i, q_len in enumerate(q_lens) if q_len > ROW_QUERIES]
         if long and not self.tiles_agree(kv_cache):  # the longer chunks on SDPA, one by one
             meta.rows = row_tables(batch, short, [], block_size, self.device) if short else None
+            if meta.rows is not None:
+                meta.rows.splits = self.row_splits
             meta.prefill_indices = long
             meta.context_slots = [
                 kv_cache.slots(batch.block_tables[i], batch.context_lens[i]).to(self.device)
@@ -137,6 +140,7 @@ class CudaPaged(TransformersPaged):
             ]
             return meta
         meta.rows = row_tables(batch, short, long, block_size, self.device)
+        meta.rows.splits = self.row_splits
         self.tiled_chunks += len(long)
         meta.prefill_indices = []  # every query is the kernels'
         return meta
@@ -144,16 +148,18 @@ class CudaPaged(TransformersPaged):
     def tiles_agree(self, kv_cache: PagedKVCache) -> bool:
         """Whether the tile kernel runs here (checked once, at the first longer chunk)."""
         if self.tiles is None:
-            from services.worker import triton_tiles  # Triton: only where this runs
+            from services.worker import kernel_checks  # Triton: only where this runs
 
-            config: Any = self.model.config
-            group = config.num_attention_heads // getattr(
-                config, "num_key_value_heads", config.num_attention_heads
-            )
-            cache = kv_cache.keys[0]  # [num_slots, num_kv_heads, head_dim]
-            dtype, head_dim = cache.dtype, int(cache.shape[2])
-            self.tiles = triton_tiles.tiles_agree(self.device, dtype, head_dim, group)
+            self.tiles = kernel_checks.tiles_agree(*self._check_shape(kv_cache))
         return self.tiles
+
+    def _check_shape(self, kv_cache: PagedKVCache) -> tuple[torch.device, torch.dtype, int, int]:
+        """The kernel checks' device, dtype, head_dim and query heads per key/value head."""
+        config: Any = self.model.config
+        heads = config.num_attention_heads
+        cache = kv_cache.keys[0]  # [num_slots, num_kv_heads, head_dim]
+        group = heads // getattr(config, "num_key_value_heads", heads)
+        return self.device, cache.dtype, int(cache.shape[2]), group
 
     def prepare(self, batch: PackedBatch, kv_cache: PagedKVCache) -> Any:  # or a GraphStep
         num_rows = len(batch.states)
@@ -266,7 +272,13 @@ class CudaPaged(TransformersPaged):
             return ids, ids.clone(), torch.arange(size, device=self.device)
 
     def capture(self, kv_cache: PagedKVCache, max_model_len: int) -> None:
-        """One graph per size, largest first, sharing one memory pool."""
+        """One graph per size, largest first, sharing one memory pool (and first, on CUDA, the
+        check of the split decode rows that the graphs and eager steps would hold)."""
+        if self.device.type == "cuda":
+            from services.worker import kernel_checks  # Triton: only where this runs
+
+            if not kernel_checks.splits_agree(*self._check_shape(kv_cache)):
+                self.row_splits = 1
         if not self.sizes or self.device.type != "cuda":
             return
         self.allocate_static(kv_cache, max_model_len)
@@ -333,6 +345,7 @@ class CudaPaged(TransformersPaged):
                 row_request=static["rows"][:size],
                 row_lens=static["row_lens"][:size],
                 block_tables=static["block_tables"][:size],
+                splits=self.row_splits,
             ),
         )
 

@@ -13,22 +13,18 @@ tl.dot per key tile (scores, then weights times values) and an online softmax in
 query masks the keys past its own position (and before its sliding window). Float32 dots are
 IEEE (no TF32), so float32 output stays equal to PyTorch's attention up to rounding.
 
-Without a GPU it runs in Triton's interpreter, which is how CI checks it; `tiles_agree` checks
-it on the worker's own device before the first chunk it would take.
+Without a GPU it runs in Triton's interpreter, which is how CI checks it;
+services/worker/kernel_checks.py checks it on the worker's own device before the first chunk
+it would take.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from services.worker.triton_attention import BLOCK_N, strides
-
-log = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -169,60 +165,3 @@ def attend_tiles(
         BLOCK_N=BLOCK_N,
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
-
-
-def tiles_agree(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) -> bool:
-    """Whether the tile kernel builds and runs here and agrees with PyTorch's attention on a
-    small causal case (three tiles of 16 queries over 8 cached keys, scattered blocks): the
-    worker's check before it attends prompt chunks with it (a Triton build that cannot compile
-    it leaves them to SDPA). Logs why not."""
-    gen = torch.Generator().manual_seed(0)
-    block_size, cached, num_queries = 16, 8, 40
-    num_kv_heads = 2
-    total = cached + num_queries
-    blocks = torch.tensor([3, 0, 2], dtype=torch.int32)  # slot t: blocks[t // 16] * 16 + t % 16
-    slots = (blocks.repeat_interleave(block_size) * block_size + torch.arange(48) % 16)[:total]
-    keys = torch.randn(total, num_kv_heads, head_dim, generator=gen)
-    values = torch.randn(total, num_kv_heads, head_dim, generator=gen)
-    query = torch.randn(num_queries, num_kv_heads * group, head_dim, generator=gen)
-    k_cache = torch.zeros(4 * block_size, num_kv_heads, head_dim)
-    v_cache = torch.zeros_like(k_cache)
-    k_cache[slots], v_cache[slots] = keys, values
-    causal = torch.arange(total)[None, :] <= torch.arange(cached, total)[:, None]
-    expected = F.scaled_dot_product_attention(
-        query.transpose(0, 1),
-        keys.transpose(0, 1).repeat_interleave(group, 0),
-        values.transpose(0, 1).repeat_interleave(group, 0),
-        attn_mask=causal,
-    ).transpose(0, 1)
-
-    def on(tensor: torch.Tensor, to: torch.dtype = dtype) -> torch.Tensor:
-        return tensor.to(device, to)
-
-    out = on(torch.zeros_like(query))
-    starts = [0, 16, 32]
-    try:
-        attend_tiles(
-            out,
-            on(query),
-            on(k_cache),
-            on(v_cache),
-            on(torch.tensor(starts), torch.int32),
-            on(torch.tensor([16, 16, 8]), torch.int32),
-            on(torch.zeros(3), torch.int32),
-            on(torch.tensor([cached + 1 + start for start in starts]), torch.int32),
-            on(blocks[None, :], torch.int32),
-            block_size,
-            None,
-            None,
-            16,
-        )
-        error = (out.float().cpu() - expected).abs().max().item()
-    except Exception as exc:  # noqa: BLE001  # any failure to build or run: SDPA serves
-        log.warning("the Triton tile kernel cannot run here, prompt chunks go to SDPA: %r", exc)
-        return False
-    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
-    if not error <= tolerance:
-        log.warning("the Triton tile kernel is off by %.3g here (%s): SDPA serves", error, dtype)
-        return False
-    return True

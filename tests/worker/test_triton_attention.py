@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.worker import runtime, triton_attention, triton_tiles
+from services.worker import kernel_checks, runtime, triton_attention, triton_tiles
 from services.worker.cuda_graphs import ROW_QUERIES, TRITON, CudaPaged
 from services.worker.kv_cache import CacheShape, PagedKVCache
 from services.worker.loader import load_model
@@ -129,14 +129,23 @@ def test_num_splits():
     assert triton_attention.num_splits(256, 32) == 1
 
 
-def test_the_tile_kernel_check_sees_a_wrong_kernel(monkeypatch, caplog):
-    """tiles_agree passes the kernel as it is, and fails one whose output is left unwritten."""
+def test_the_kernel_checks_see_a_wrong_kernel(monkeypatch, caplog):
+    """tiles_agree and splits_agree pass the kernels as they are, and fail kernels that leave
+    their output unwritten or that raise."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    assert triton_tiles.tiles_agree(device, torch.float32, HEAD_DIM, GROUP)
+    assert kernel_checks.tiles_agree(device, torch.float32, HEAD_DIM, GROUP)
+    assert kernel_checks.splits_agree(device, torch.float32, HEAD_DIM, GROUP)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no tl.dot on this build")
+
     monkeypatch.setattr(triton_tiles, "attend_tiles", lambda *args: None)
-    with caplog.at_level("WARNING", logger=triton_tiles.__name__):
-        assert not triton_tiles.tiles_agree(device, torch.float32, HEAD_DIM, GROUP)
+    monkeypatch.setattr(triton_attention, "attend_rows", broken)
+    with caplog.at_level("WARNING", logger=kernel_checks.__name__):
+        assert not kernel_checks.tiles_agree(device, torch.float32, HEAD_DIM, GROUP)
+        assert not kernel_checks.splits_agree(device, torch.float32, HEAD_DIM, GROUP)
     assert "tile kernel is off by" in caplog.text
+    assert "split decode rows cannot run here" in caplog.text
 
 
 @pytest.mark.parametrize("tiles_run", [True, False], ids=["tiles", "no-tile-kernel"])
@@ -172,7 +181,7 @@ def test_eager_cuda_backend_on_the_cpu_matches_transformers(
     ]
     for request in requests:
         engine.add(request)
-    with caplog.at_level("WARNING", logger=triton_tiles.__name__):
+    with caplog.at_level("WARNING", logger=kernel_checks.__name__):
         engine.run()
     reference = reference_model(tiny_llama)
     for request in requests:
