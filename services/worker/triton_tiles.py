@@ -13,9 +13,10 @@ tl.dot per key tile (scores, then weights times values) and an online softmax in
 query masks the keys past its own position (and before its sliding window). Float32 dots are
 IEEE (no TF32), so float32 output stays equal to PyTorch's attention up to rounding.
 
-Without a GPU it runs in Triton's interpreter, which is how CI checks it;
-services/worker/kernel_checks.py checks it on the worker's own device before the first chunk
-it would take.
+Without a GPU it runs in Triton's interpreter, which is how CI checks it in float32 (the
+interpreter's bfloat16 dots are wrong: numpy has no bfloat16, so a half-precision check on a
+CPU falls back to SDPA); services/worker/kernel_checks.py checks it on the worker's own
+device before the first chunk it would take.
 """
 
 from __future__ import annotations
