@@ -41,10 +41,13 @@ async def stream(
 
 
 def run_while_killing(
-    cluster: Cluster, victim: str, cases: list[tuple[str, int, str | None]] | None = None
+    cluster: Cluster,
+    victim: str,
+    cases: list[tuple[str, int, str | None]] | None = None,
+    busy: int = 2,
 ) -> list[list[dict]]:
     """Stream `cases` (prompt, max_new_tokens, adapter_id; default: CASES on the base model)
-    over the gateways in turn, SIGKILL `victim` once group g0 runs two of them."""
+    over the gateways in turn, SIGKILL `victim` once group g0 runs `busy` of them."""
     cases = cases or [(prompt, n, None) for prompt, n in CASES]
 
     async def scenario():
@@ -55,11 +58,11 @@ def run_while_killing(
             ]
             for _ in range(3000):  # kill once group g0 is busy (30 s at most)
                 stats = cluster.stats().get("g0")
-                if stats is not None and stats.num_running >= 2:
+                if stats is not None and stats.num_running >= busy:
                     break
                 await asyncio.sleep(0.01)
             else:
-                pytest.fail(f"group g0 never ran 2 requests: {cluster.stats()}")
+                pytest.fail(f"group g0 never ran {busy} requests: {cluster.stats()}")
             cluster.processes[victim].send_signal(signal.SIGKILL)
             return await asyncio.gather(*tasks)
 
