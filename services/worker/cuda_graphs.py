@@ -127,22 +127,20 @@ class CudaPaged(TransformersPaged):
         q_lens = [end - start for start, end in zip(query_start, query_start[1:])]
         short = [i for i, q_len in enumerate(q_lens) if q_len <= ROW_QUERIES]
         long = [i for i, q_len in enumerate(q_lens) if q_len > ROW_QUERIES]
-        if long and not self.tiles_agree(kv_cache):  # the longer chunks on SDPA, one by one
-            meta.rows = row_tables(batch, short, [], block_size, self.device) if short else None
-            if meta.rows is not None:
-                meta.rows.splits = self.row_splits
-            meta.prefill_indices = long
+        tiled = long if long and self.tiles_agree(kv_cache) else []
+        if short or tiled:
+            meta.rows = row_tables(batch, short, tiled, block_size, self.device)
+            meta.rows.splits = self.row_splits
+        self.tiled_chunks += len(tiled)
+        # without the tile kernel, the longer chunks go to SDPA one by one
+        meta.prefill_indices = [] if tiled else long
+        if meta.prefill_indices:
             meta.context_slots = [
                 kv_cache.slots(batch.block_tables[i], batch.context_lens[i]).to(self.device)
                 if q_len > ROW_QUERIES
                 else torch.empty(0, dtype=torch.long)
                 for i, q_len in enumerate(q_lens)
             ]
-            return meta
-        meta.rows = row_tables(batch, short, long, block_size, self.device)
-        meta.rows.splits = self.row_splits
-        self.tiled_chunks += len(long)
-        meta.prefill_indices = []  # every query is the kernels'
         return meta
 
     def tiles_agree(self, kv_cache: PagedKVCache) -> bool:
