@@ -10,6 +10,10 @@ changes, the watch
 - counts a switch (`num_switches`, read by the loops, any thread);
 - drops its clients' idle connections and marks those in use to close when released, so each
   client's next command reaches the new master;
+- makes its clients' new connections go where it saw the master last (`follow`): a sentinel
+  that has not heard of the failover yet names the old primary for a second or two, and a
+  connection made then would stay with it unnoticed (a worker's heartbeat there expired on
+  the new master and its group was dropped);
 - and the service's loops, which note `num_switches` and their connection's address when they
   (re)connect, call `check()`: on the old primary, it raises MasterMoved, a redis
   ConnectionError, so each loop runs the recovery it already has for a lost Redis (the gateway
@@ -22,6 +26,7 @@ Without sentinels the watch does nothing and `check()` never raises.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -70,6 +75,8 @@ class MasterWatch:
         self.address: Address | None = None  # the master as last named
         self.num_switches = 0  # changes of master seen since start
         self._task: asyncio.Task[None] | None = None
+        for client in self.clients if sentinels else ():  # (a cluster client has no pool)
+            self.follow(client.connection_pool)
 
     @classmethod
     def for_settings(
@@ -79,6 +86,30 @@ class MasterWatch:
         on_switch: Callable[[], object] = lambda: None,
     ) -> MasterWatch:
         return cls(settings.redis_sentinels, settings.redis_sentinel_master, clients, on_switch)
+
+    def follow(self, pool: Any) -> None:
+        """Make a sentinel-managed connection pool (redis-py's, asyncio or not) connect to the
+        master this watch named last, instead of the first sentinel to answer: one master per
+        service, which a stale sentinel cannot take back. Before the watch's first answer,
+        and for other pools, nothing changes."""
+        target = getattr(pool, "proxy", pool)  # redis-py's synchronous pool asks through it
+        ask = getattr(target, "get_master_address", None)
+        if ask is None or not self.sentinels:
+            return
+
+        def named() -> Address | None:
+            if self.address is not None:
+                target.master_address = self.address  # what redis-py's own discovery notes
+            return self.address
+
+        if inspect.iscoroutinefunction(ask):
+
+            async def get_master_address() -> Address:
+                return named() or await ask()
+
+            target.get_master_address = get_master_address
+        else:
+            target.get_master_address = lambda: named() or ask()
 
     def start(self) -> MasterWatch:
         """Watch in a task of the running loop (no task without sentinels)."""
@@ -96,9 +127,15 @@ class MasterWatch:
         """`num_switches` now. Raise MasterMoved when the master changed since `seen` unless
         `address` (where the caller is connected; None: unknown) is the new master already:
         a loop that reconnected on its own after a crash (kill -9) goes on."""
-        if self.num_switches != seen and (address is None or address != self.address):
+        moved = self.num_switches != seen and (address is None or address != self.address)
+        if moved or self._is_elsewhere(address):
             raise MasterMoved(f"the Redis master moved to {self._where()}")
         return self.num_switches
+
+    def _is_elsewhere(self, address: Address | None) -> bool:
+        """`address` is known and is not the master named last (a connection made while a
+        sentinel still named the old primary, or just before a switch)."""
+        return address is not None and self.address is not None and address != self.address
 
     async def pause(self, seconds: float) -> None:
         """A retry's wait: `seconds`, or until the sentinels name a new master (the loop that
@@ -129,7 +166,22 @@ class MasterWatch:
                 if self.address is not None and address != self.address:
                     await self._switch(address)
                 self.address = address
+                await self._sweep()
             await asyncio.sleep(WATCH_INTERVAL_S)
+
+    async def _sweep(self) -> None:
+        """Close the clients' connections that lead elsewhere than the master: idle ones now,
+        those in use when released. A connection that was connecting during a switch reached
+        the old primary and, connected, forgot its mark; this finds it at the next tick."""
+        for client in self.clients:
+            pool = client.connection_pool
+            for connection in list(getattr(pool, "_in_use_connections", ())):
+                if self._is_elsewhere(address_of(connection)):
+                    connection.mark_for_reconnect()
+            for connection in list(getattr(pool, "_available_connections", ())):
+                if self._is_elsewhere(address_of(connection)) and connection.is_connected:
+                    log.info("closing an idle Redis connection to %s", address_of(connection))
+                    await connection.disconnect()
 
     async def _switch(self, address: Address) -> None:
         old = self._where()

@@ -2,7 +2,8 @@
 SENTINEL FAILOVER (the old primary stays up and still answers as a master for seconds), the
 watch counts one switch, loops that check it get MasterMoved once, and both an asyncio client
 and the worker's step link reach the new primary at their next command, a connection that was
-in use during the switch included."""
+in use during the switch included, and the connections made after it even where a sentinel
+still names the old primary."""
 
 from __future__ import annotations
 
@@ -68,6 +69,30 @@ async def test_a_graceful_failover_moves_every_connection_at_once(redis_ha):
         await client.xadd("steps", {b"m": b"plan"})
         entries = link.read(block_ms=1000)
         assert [fields for _, fields in entries] == [{b"m": b"plan"}]
+        # a sentinel that has not heard of the failover yet still names the old primary: the
+        # connections made now go where the watch saw the master, not where it says
+        stale = ("127.0.0.1", old)
+
+        async def stale_answer(name: str) -> tuple[str, int]:
+            return stale
+
+        pool.sentinel_manager.discover_master = stale_answer
+        link._reader.connection_pool.sentinel_manager.discover_master = lambda name: stale
+        await pool.disconnect()
+        link.close()
+        assert await served_port(client) == new
+        assert link.read(block_ms=10) == [] and link._reader.port == new
+        await client.set("beat", b"1")  # a heartbeat written now reaches the new master
+        assert await client.get("beat") == b"1" and pool.master_address == ("127.0.0.1", new)
+        # a connection that reached the old primary anyway (it was connecting during the
+        # switch) is closed at the watch's next tick, and a loop on one gets MasterMoved
+        with pytest.raises(MasterMoved):
+            watch.check(watch.num_switches, ("127.0.0.1", old))
+        (idle,) = pool._available_connections
+        await idle.disconnect()
+        await idle.connect_to(("127.0.0.1", old))
+        await wait_for(lambda: not idle.is_connected, 2)
+        assert await served_port(client) == new
     finally:
         link.close()
         await watch.stop()

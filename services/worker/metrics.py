@@ -69,6 +69,12 @@ class WorkerMetrics:
             "new Redis masters the sentinels named; the step link left the old primary",
             registry=r,
         )
+        self.heartbeat_failures = Counter(
+            "textgen_worker_heartbeat_failures",
+            "heartbeats not written (logged; retried next beat): a scheduler drops the group "
+            "when they fail for its heartbeat's lifetime",
+            registry=r,
+        )
         self.redis_error_replies = Counter(
             "textgen_worker_redis_error_replies",
             "writes Redis answered with an error (logged; the step went on)",

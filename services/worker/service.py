@@ -28,7 +28,7 @@ from services.worker.runner import StepOutcome
 from services.worker.runtime import build_runner, ready_message
 from services.worker.step_link import BLOCK_MS, STOPPING_BLOCK_MS, Command, StepLink, xadd
 from shared.adapters import AdapterRegistry, startup_refs
-from shared.bus import FIELD, REDIS_ERRORS, entry_message, stream_fields
+from shared.bus import FIELD, REDIS_ERRORS, REDIS_FAILURES, entry_message, stream_fields
 from shared.channels import DEAD_LETTERS_MAXLEN, Channels
 from shared.codec import decode, encode
 from shared.master_watch import MasterWatch
@@ -316,5 +316,9 @@ class WorkerService:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
             try:
                 await self._beat()
-            except REDIS_ERRORS as exc:
+            except REDIS_FAILURES as exc:  # an outage, or a refusal (a primary just demoted)
+                self.metrics.heartbeat_failures.inc()
                 log.warning("heartbeat failed: %s", exc)
+            except Exception:  # a beat that stopped for good would drop the group: go on
+                self.metrics.heartbeat_failures.inc()
+                log.exception("heartbeat failed")

@@ -90,6 +90,8 @@ class StepLink:
             socket_connect_timeout=5,
             socket_timeout=SOCKET_TIMEOUT_S,
         )
+        self._master = master or MasterWatch(None, "")  # read from this thread: an int
+        self._master.follow(pool)  # it connects where the watch saw the master last
         self._reader = pool.make_connection()
         self._sender = pool.make_connection()
         self.steps = steps
@@ -102,7 +104,6 @@ class StepLink:
         self._is_demoted = False  # a refusal was read: reconnect before the next write
         self._num_untrimmed = 0  # entries read since the steps stream was last trimmed
         self._on_error_reply = on_error_reply
-        self._master = master or MasterWatch(None, "")  # read from this thread: an int
         self._master_seen = self._master.num_switches  # its switches when last connected
 
     def has_arrived(self) -> bool:
@@ -164,7 +165,6 @@ class StepLink:
             if self._is_demoted:
                 self._is_demoted = False
                 self.close()  # both reconnect to the master the sentinels name now
-                self._is_reading = False  # the XREAD out went with the reader
                 raise ConnectionError("the Redis primary became a replica (READONLY)")
             batch = [*self._refused, *commands]
             self._sender.send_packed_command(self._sender.pack_commands(batch))
@@ -188,7 +188,6 @@ class StepLink:
         except MasterMoved:
             self._master_seen = self._master.num_switches
             self.close()
-            self._is_reading = False
             self._forget_unanswered()
             raise
 
@@ -206,8 +205,10 @@ class StepLink:
         self._batches.clear()
 
     def close(self) -> None:
+        """Both connections closed (the next call reconnects); the XREAD out goes with them."""
         for connection in (self._reader, self._sender):
             connection.disconnect()
+        self._is_reading = False
 
     def _send_read(self, block_ms: int) -> None:
         self._reader.send_command("XREAD", "BLOCK", block_ms, "STREAMS", self.steps, self.last_id)

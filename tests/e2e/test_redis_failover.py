@@ -89,7 +89,8 @@ async def test_streams_survive_losing_the_redis_primary(cluster, redis_ha, fault
         try:
             results = await asyncio.wait_for(asyncio.gather(*streams), 60)
         except TimeoutError:
-            raise AssertionError(f"streams hung\n{cluster.log_tails(4000)}") from None
+            hung = f"streams hung\n{cluster.log_tails(4000)}\n{cluster.stacks()}"
+            raise AssertionError(hung) from None
         pauses = [max(b - a for a, b in zip(r[2], r[2][1:])) for r in results]
         print(f"failover {failover_s:.1f} s, longest pause {max(pauses):.1f} s")
         for prompt, (status, events, _), pause in zip(prompts, results, pauses, strict=True):

@@ -4,6 +4,7 @@ N worker groups (worker + scheduler each) and M gateways, each on its own port."
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -158,6 +159,22 @@ class Cluster:
         for name, log in self.logs.items():
             text = log.read_text(errors="replace") if log.exists() else ""
             parts.append(f"--- {name} ---\n{text[-num_chars:]}")
+        return "\n".join(parts)
+
+    def stacks(self, services: tuple[str, ...] = ("worker", "scheduler")) -> str:
+        """Each running service's threads and tasks, from its own dump (SIGUSR1: shared/aio.py):
+        where a stuck one waits."""
+        running = [name for name, p in self.processes.items() if p.poll() is None]
+        names = [name for name in running if name.startswith(services)]
+        sizes = {name: self.logs[name].stat().st_size for name in names}
+        for name in names:
+            self.processes[name].send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        parts = []
+        for name in names:
+            with self.logs[name].open("rb") as log:
+                log.seek(sizes[name])
+                parts.append(f"--- {name}: stacks ---\n{log.read().decode(errors='replace')}")
         return "\n".join(parts)
 
     def stop(self) -> None:
