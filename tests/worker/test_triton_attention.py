@@ -175,7 +175,7 @@ def test_eager_cuda_backend_on_the_cpu_matches_transformers(
     assert engine.runner.attention == TRITON
     gen = torch.Generator().manual_seed(5)
     # the fallback's run is shorter: it only has to show SDPA taking the longer chunks
-    lengths, new_tokens = ([3, 50, 12, 30], 6) if tiles_run else ([12, 30], 2)
+    lengths, new_tokens = ([3, 50, 12, 30], 3) if tiles_run else ([12, 30], 2)
     requests = [
         make_request(
             [1] + torch.randint(3, 300, (n,), generator=gen).tolist(), max_new_tokens=new_tokens
@@ -255,7 +255,7 @@ def test_graph_steps_on_the_cpu_match_transformers(tiny_llama, monkeypatch, comp
     gen = torch.Generator().manual_seed(11)
     requests = [
         make_request(
-            [1] + torch.randint(3, 300, (n,), generator=gen).tolist(), max_new_tokens=4 + 2 * i
+            [1] + torch.randint(3, 300, (n,), generator=gen).tolist(), max_new_tokens=2 + i // 2
         )
         for i, n in enumerate([5, 20, 9, 33, 14])
     ]
