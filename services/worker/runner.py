@@ -83,7 +83,7 @@ class ModelRunner:
             samples = self._sample(batch, logits, ruled_out)
             sample_s = time.perf_counter() - sample_started
         except Exception as exc:  # the whole step fails; every request in it ends
-            log.exception("step %d failed", plan.step_id)
+            log.exception("step %d failed: %s", plan.step_id, [s.shape for s in scheduled])
             return self._fail(plan.step_id, scheduled, f"{type(exc).__name__}: {exc}")
         outcome = self._with_refused(self._advance(plan.step_id, scheduled, samples), refused)
         outcome.result.num_tokens = int(batch.input_ids.shape[1])

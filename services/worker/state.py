@@ -51,6 +51,12 @@ class RequestState:
         )
 
     @property
+    def shape(self) -> str:
+        """id, blocks held, tokens computed and scheduled: a failed step's log line."""
+        blocks, computed = len(self.block_ids), self.num_computed_tokens
+        return f"{self.request_id}: {blocks} blocks, {computed}+{self.num_scheduled_tokens}"
+
+    @property
     def num_generated(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 

@@ -175,3 +175,29 @@ def test_prefix_cache_hits_keep_parity(loaded_tiny, tiny_llama):
         expected = greedy_continuation(reference, request.input_ids, 10, loaded_tiny.eos_token_ids)
         assert engine.tokens[request.request_id] == expected
     assert engine.scheduler.blocks.num_free_blocks == 64
+
+
+def test_a_plan_short_of_blocks_fails_its_step_and_says_what_it_asked(loaded_tiny, caplog):
+    """A plan whose request has too few blocks for its tokens (a scheduler's bug) fails the
+    whole step, not the worker: every request in it ends with the error, and the log line
+    names what the plan asked of each (blocks held, tokens computed + scheduled)."""
+    from shared.messages import NewRequest, StepPlan
+
+    engine = EngineLoop(loaded_tiny, num_blocks=64)
+    runner = engine.runner
+    request = make_request(prompts(1)[0], max_new_tokens=4)
+    new = NewRequest(
+        request_id="short",
+        input_ids=list(request.input_ids) + [5] * 20,
+        sampling=request.sampling,
+        stopping=request.stopping,
+        reply_to="reply",
+        block_ids=[0],  # one block of 16 tokens for more than 16
+        num_scheduled_tokens=len(request.input_ids) + 20,
+    )
+    with caplog.at_level("ERROR", logger="services.worker.runner"):
+        outcome = runner.execute(StepPlan(step_id=1, reset=True, new_requests=[new]))
+    assert outcome.result.error.startswith("IndexError")
+    assert [o.request_id for o in outcome.result.outputs] == ["short"]
+    assert f"short: 1 blocks, 0+{new.num_scheduled_tokens}" in caplog.text
+    assert "short" not in runner.requests
