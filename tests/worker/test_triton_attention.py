@@ -48,6 +48,15 @@ BATCH = [
 TILE_M = 16  # the tile kernel's queries per tile here (TILE_QUERIES serves; 16 cuts more)
 
 
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """The tiny Llama with one decoder layer: each interpreted kernel call costs seconds on a
+    CPU, and a second layer would only run the same kernels again."""
+    from tests.support.tiny_models import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-1-layer"), num_layers=1)
+
+
 def kernel_and_sdpa(dtype: torch.dtype, device: torch.device, window: int | None):
     """One layer's attention output of BATCH through SDPA, through the row kernel alone (every
     query a row) and through both kernels (chunks of more than ROW_QUERIES as tiles)."""
