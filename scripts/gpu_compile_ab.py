@@ -2,17 +2,19 @@
 against the HBM roofline (the whole engine step, and the graph replay alone) with its kernels'
 device times (the decode rows' keys split in ranges, then not), a batch-32 decode step, the
 first token of one 128-token prompt (an eager step), and the first tokens of 32 such prompts in
-one step, their attention through the Triton tile kernel and through SDPA. One JSON object on
-stdout.
+one step, their attention through the Triton tile kernel and through SDPA (with that step's
+kernels). One JSON object on stdout. AB_MODES: which of the two to run ("eager,compiled").
 
-    python3 scripts/gpu_compile_ab.py [SHAPE]   # a --random-model shape, default llama-3.2-1b
+    [AB_MODES=eager] python3 scripts/gpu_compile_ab.py [SHAPE]   # default llama-3.2-1b
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import logging
+import os
 import sys
 import time
 
@@ -24,14 +26,16 @@ from services.engine import Engine
 from services.worker import triton_attention
 
 KV_CACHE_BYTES = 8_000_000_000  # each engine's cache (the two load one after the other)
+SALTS = itertools.count()  # every prompt of the run its own: no prefix-cache hit across calls
 
 
 def first_token_ms(engine: Engine, vocab: int, count: int = 1, repeats: int = 5) -> float:
     """Best of `repeats` rounds of `count` 128-token prompts added together, to their first
-    tokens; every prompt distinct (no prefix-cache hit)."""
+    tokens; every prompt of the run distinct (no prefix-cache hit: an earlier A/B timed SDPA on
+    the prompts the tile kernel had just cached)."""
     best = float("inf")
-    for k in range(repeats):
-        salt = 1000 * count + k
+    for _ in range(repeats):
+        salt = next(SALTS)
         prompts = [
             [(97 * salt + 31 * j + 7 * i) % (vocab - 3) + 3 for j in range(128)]
             for i in range(count)
@@ -49,17 +53,24 @@ def first_token_ms(engine: Engine, vocab: int, count: int = 1, repeats: int = 5)
 def kernel_times(backend, kv_cache, steps: int = 10, top: int = 25) -> list[list]:
     """The batch-1 step's kernels run outside a graph (the same kernels a replay launches),
     under torch.profiler: [name, calls per step, device µs per step], the most costly first."""
+    step = backend.step_function(kv_cache, 1)  # its rows write the spare block
+    with torch.inference_mode():
+        step()
+        return profiled(step, steps, top)
+
+
+def profiled(work, steps: int, top: int) -> list[list]:
+    """`work` run `steps` times under torch.profiler: [name, calls per run, device µs per
+    run] of its `top` most costly operators and kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    step = backend.step_function(kv_cache, 1)  # its rows write the spare block
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
     with torch.inference_mode():
-        step()
         with profile(activities=activities) as prof:
             for _ in range(steps):
-                step()
+                work()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
     rows = []
@@ -81,11 +92,14 @@ def measure(folder: str, compile: bool) -> dict:
     if hasattr(backend, "tiles"):  # CudaPaged
         # 32 prompts in one step: their chunks attended as tiles by the Triton kernel, then
         # (the check's answer forced) one request at a time through SDPA
-        tiles = backend.tiles
-        result["first_tokens_32_prompts_ms"] = {"tiles": first_token_ms(engine, vocab, 32, 3)}
-        backend.tiles = False
-        result["first_tokens_32_prompts_ms"]["sdpa"] = first_token_ms(engine, vocab, 32, 3)
+        tiles, times, kernels = backend.tiles, {}, {}
+        for name, use in (("tiles", tiles), ("sdpa", False)):
+            backend.tiles = use
+            times[name] = first_token_ms(engine, vocab, 32, 3)
+            kernels[name] = profiled(lambda: first_token_ms(engine, vocab, 32, 1), 1, 12)
         backend.tiles = tiles
+        result["first_tokens_32_prompts_ms"] = times
+        result["prompts32_kernels"] = kernels
     result["roofline_batch1"] = memory_roofline(engine, 256)
     prompts = [[(7 * i + 13 * j) % (vocab - 3) + 3 for j in range(256)] for i in range(32)]
     step_s, sizes = timed_decode_steps(engine, prompts, 16)
@@ -120,7 +134,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "build_s": round(time.perf_counter() - started, 1),
     }
-    for compile in (False, True):
+    modes = os.environ.get("AB_MODES", "eager,compiled").split(",")
+    for compile in [mode == "compiled" for mode in modes]:
         report["compiled" if compile else "eager"] = measure(folder, compile)
         print(json.dumps(report), flush=True)  # what is done so far, should a limit end it
 

@@ -38,6 +38,8 @@ def engine_lines(stage: str, name: str, run: dict[str, Any]) -> list[str]:
         attention = [k for k in kernels if k[0].startswith(("_paged", "_merge"))]
         if kernels:
             lines.append(f"{stage} {name} {key} attention: {attention}")
+    for path, kernels in (run.get("prompts32_kernels") or {}).items():
+        lines.append(f"{stage} {name} 32 prompts by {path}, top kernels: {kernels[:6]}")
     return lines
 
 

@@ -144,7 +144,8 @@ class CudaPaged(TransformersPaged):
         return meta
 
     def tiles_agree(self, kv_cache: PagedKVCache) -> bool:
-        """Whether the tile kernel runs here (checked once, at the first longer chunk)."""
+        """Whether the tile kernel runs here (checked once: at start on CUDA, else at the first
+        longer chunk)."""
         if self.tiles is None:
             from services.worker import kernel_checks  # Triton: only where this runs
 
@@ -271,12 +272,15 @@ class CudaPaged(TransformersPaged):
 
     def capture(self, kv_cache: PagedKVCache, max_model_len: int) -> None:
         """One graph per size, largest first, sharing one memory pool (and first, on CUDA, the
-        check of the split decode rows that the graphs and eager steps would hold)."""
+        checks of the split decode rows that the graphs and eager steps would hold and of the
+        tile kernel, which build the kernels before the first request waits on a build)."""
         if self.device.type == "cuda":
             from services.worker import kernel_checks  # Triton: only where this runs
 
             if not kernel_checks.splits_agree(*self._check_shape(kv_cache)):
                 self.row_splits = 1
+            if not self.flash:
+                self.tiles_agree(kv_cache)
         if not self.sizes or self.device.type != "cuda":
             return
         self.allocate_static(kv_cache, max_model_len)

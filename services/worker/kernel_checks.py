@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker import triton_attention, triton_tiles
+from services.worker.paged_attention import TILE_QUERIES
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,8 @@ def agree(
 
 
 def tiles_agree(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) -> bool:
-    """The tile kernel, three tiles of 16 queries."""
+    """The tile kernel, three tiles of 16 queries, built as the worker's steps use it (tiles of
+    up to TILE_QUERIES): the check is also that build, before the first step needs it."""
     case = make_case(device, dtype, head_dim, group)
     starts = [0, 16, 32]
 
@@ -112,7 +114,7 @@ def tiles_agree(device: torch.device, dtype: torch.dtype, head_dim: int, group: 
             BLOCK_SIZE,
             None,
             None,
-            16,
+            TILE_QUERIES,
         )
 
     return agree("tile kernel", "prompt chunks go to SDPA", case, run)

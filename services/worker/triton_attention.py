@@ -32,11 +32,16 @@ import triton.language as tl
 
 TRITON = "triton"  # the attention name the worker reports (/info model_attention)
 BLOCK_N = 64  # keys per tile
+# Arguments that change from step to step: Triton compiles a kernel again for each new value
+# class of a specialized integer (1, a multiple of 16, other), which stalled a served run for
+# ~0.7 s whenever the widest block table crossed one (8 -> 16 -> 17 blocks); not specialized,
+# one build serves every step
+PER_STEP = ["stride_table"]
 TARGET_PROGRAMS = 256  # rows x heads x splits aimed at: ~2 programs per SM of a large GPU
 MAX_SPLITS = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP)
 def _paged_rows_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     q_ptr,  # [num_tokens, num_heads, head_dim] (any strides)

@@ -25,10 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from services.worker.triton_attention import BLOCK_N, strides
+from services.worker.triton_attention import BLOCK_N, PER_STEP, strides
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PER_STEP)
 def _paged_tiles_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     q_ptr,  # [num_tokens, num_heads, head_dim] (any strides)
