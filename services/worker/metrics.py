@@ -87,6 +87,13 @@ class WorkerMetrics:
             buckets=GAP_BUCKETS,
             registry=r,
         )
+        self.plan_late = Histogram(
+            "textgen_worker_plan_late_seconds",
+            "torch thread waiting for the next plan while it holds requests, the plan having "
+            "come after the step before it ended (the broker's cost to the step rate)",
+            buckets=GAP_BUCKETS,
+            registry=r,
+        )
         self.attention = Gauge(
             "textgen_worker_attention_info",
             "1 for the path forward passes take: cpu-kernels (the fast CPU decoder), "

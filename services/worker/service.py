@@ -172,8 +172,11 @@ class WorkerService:
         try:
             while True:
                 is_at_hand = bool(plans) or link.has_arrived()
+                waited_from = time.perf_counter()
                 if not self._next_plans(link, plans):
                     return
+                if not is_at_hand and self.runner.requests:
+                    self.metrics.plan_late.observe(time.perf_counter() - waited_from)
                 plan = plans.popleft()
                 outcome = self._execute(plan, is_at_hand)
                 self.last_step_id = plan.step_id

@@ -51,6 +51,7 @@ def test_metrics_of_all_three_services_follow_a_run(tiny_cluster):
         tiny_cluster, "worker", "textgen_worker_publish_duration_seconds_count"
     )
     before_gaps = total(tiny_cluster, "worker", "textgen_worker_step_gap_seconds_count")
+    before_late = total(tiny_cluster, "worker", "textgen_worker_plan_late_seconds_count")
 
     async def run():
         async with httpx.AsyncClient(timeout=60) as client:
@@ -105,6 +106,9 @@ def test_metrics_of_all_three_services_follow_a_run(tiny_cluster):
     # plans reach the torch thread while the step before them computes (back to back)
     gaps = total(tiny_cluster, "worker", "textgen_worker_step_gap_seconds_count") - before_gaps
     assert 0 < gaps < forwards - before_forwards
+    # ...or came after it, while the worker held requests (never both)
+    late = total(tiny_cluster, "worker", "textgen_worker_plan_late_seconds_count") - before_late
+    assert late >= 0 and gaps + late <= forwards - before_forwards
     # the tiny Llama runs on the fast CPU decoder in both groups
     level = kernels.capability()
     kernel = f'textgen_worker_attention_info{{instruction_set="{level}",kernel="cpu-kernels"}}'

@@ -1,6 +1,7 @@
 """Late planning (services/scheduler/steps.py): while the worker runs its only step, the next
 plan waits for arrivals until PLAN_AHEAD_FRACTION of a decode step's running estimate has
-passed; the estimate follows decode-only steps' durations as the worker reports them."""
+passed; the estimate follows decode-only steps' durations as the worker reports them. Short
+decode steps (a GPU's) are planned at once."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ import redis.asyncio as aioredis
 from services.scheduler.aborts import AbortListener
 from services.scheduler.intake import RequestIntake
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.steps import DECODE_STEP_SMOOTHING, PLAN_AHEAD_FRACTION, StepChannel
+from services.scheduler.steps import (
+    DECODE_STEP_SMOOTHING,
+    LATE_PLANNING_MIN_STEP_S,
+    PLAN_AHEAD_FRACTION,
+    StepChannel,
+)
 from shared.channels import Channels
 from shared.messages import (
     NewRequest,
@@ -85,6 +91,22 @@ async def test_the_next_plan_waits_a_share_of_a_decode_step(redis_client, namesp
     assert channel.plan_wait_s() == 0.0
     await answered(channel, StepResult(step_id=3, step_s=0.5))  # plan 4 runs from now
     assert 0 < channel.plan_wait_s() <= PLAN_AHEAD_FRACTION * channel.decode_step_s
+
+
+async def test_short_decode_steps_are_planned_at_once(redis_client, namespace):
+    """A wait on Redis's millisecond clock does not fit in a GPU's decode step: the plan would
+    come after the step it should follow."""
+    channel = StepChannel(redis_client, Channels(namespace), "g", SchedulerMetrics())
+    short = 0.8 * LATE_PLANNING_MIN_STEP_S
+    await channel.send(plan(0, 1, 1))
+    await answered(channel, StepResult(step_id=0, step_s=short))
+    assert channel.decode_step_s == pytest.approx(short)
+    await channel.send(plan(1, 1, 1))  # the worker's only step
+    assert channel.plan_wait_s() == 0.0
+    await answered(channel, StepResult(step_id=1, step_s=50 * LATE_PLANNING_MIN_STEP_S))
+    await channel.send(plan(2, 1, 1))  # the estimate is long enough again
+    assert channel.decode_step_s > LATE_PLANNING_MIN_STEP_S
+    assert channel.plan_wait_s() > 0.0
 
 
 async def test_a_late_planning_wait_ends_on_time_when_nothing_else_reaches_redis(namespace):
