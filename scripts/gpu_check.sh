@@ -5,7 +5,8 @@
 #   pytest          `pytest -m gpu`
 #   ab:SHAPE        torch.compile off and on in process (scripts/gpu_compile_ab.py)
 #   all:SHAPE       one launched server (compiled once) measured by benches pointed at it: 32
-#                   and 256 streams with the in-process engine at 32 beside, then 1 stream
+#                   and 256 streams with the in-process engine at 32 beside, then 1 stream;
+#                   then the server's step timings (late plans, gaps, plan waits) to gpu.txt
 # SHAPE: a --random-model shape (smollm2-135m, llama-3.2-1b); random weights, bf16, 128-token
 # prompts, 128 new tokens. Four files land in DIR (a device run brings few files back):
 # gpu.txt (progress, then a summary of every report), pytest.txt, reports.jsonl (one line per
@@ -53,8 +54,8 @@ all_levels() {  # SHAPE: one server, benches pointed at it by --url
     model=$(python3 -c "from services.bench.random_model import build_random_model as b
 print(b('$1'))") || return 1
     python3 -m services.launcher.cli launch --model-id "$model" --port $port \
-        --kv-cache-memory 16000000000 --max-concurrent-requests 512 ${LAUNCH_ARGS:-} \
-        >>"$out/logs.txt" 2>&1 &
+        --kv-cache-memory 16000000000 --max-concurrent-requests 512 --metrics-port 9100 \
+        ${LAUNCH_ARGS:-} >>"$out/logs.txt" 2>&1 &
     pid=$!
     until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health')" \
         2>/dev/null; do
@@ -74,10 +75,26 @@ print(b('$1'))") || return 1
     "${at[@]}" --concurrency 1 --num-requests "${C1_REQUESTS:-16}" >"$report" 2>>"$out/logs.txt"
     echo "$1 c1 exit $?" >>"$out/gpu.txt"
     keep "all:$1:c1" "$report"
+    broker_metrics "$1"
     kill -INT $pid
     wait $pid
 }
-export -f all_levels keep
+broker_metrics() {  # SHAPE: the scheduler's and worker's step timings after the benches
+    python3 - "$1" >>"$out/gpu.txt" <<'EOF'
+import re, sys, urllib.request
+wanted = re.compile(r"^textgen_(worker_(plan_late|step_gap|step_duration)|scheduler_plan_wait)"
+                    r"_seconds_(sum|count)")
+for port in (9100, 9101, 9102):
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    except OSError:
+        continue
+    print(sys.argv[1], "metrics:", " ".join(
+        line.split(" ")[0].removeprefix("textgen_") + "=" + line.split(" ")[1][:8]
+        for line in text.splitlines() if wanted.match(line)))
+EOF
+}
+export -f all_levels keep broker_metrics
 export out
 for item in ${STAGES:-pytest ab:llama-3.2-1b all:llama-3.2-1b all:smollm2-135m}; do
     shape=${item#*:}
