@@ -127,8 +127,7 @@ class MasterWatch:
         """`num_switches` now. Raise MasterMoved when the master changed since `seen` unless
         `address` (where the caller is connected; None: unknown) is the new master already:
         a loop that reconnected on its own after a crash (kill -9) goes on."""
-        moved = self.num_switches != seen and (address is None or address != self.address)
-        if moved or self._is_elsewhere(address):
+        if (self.num_switches != seen and address is None) or self._is_elsewhere(address):
             raise MasterMoved(f"the Redis master moved to {self._where()}")
         return self.num_switches
 
@@ -164,9 +163,9 @@ class MasterWatch:
                 log.debug("the sentinels name no master %s: %s", self.master, exc)
             else:
                 if self.address is not None and address != self.address:
-                    await self._switch(address)
+                    self._switch(address)
                 self.address = address
-                await self._sweep()
+                await self._sweep()  # after a switch: every connection to the old primary
             await asyncio.sleep(WATCH_INTERVAL_S)
 
     async def _sweep(self) -> None:
@@ -183,18 +182,9 @@ class MasterWatch:
                     log.info("closing an idle Redis connection to %s", address_of(connection))
                     await connection.disconnect()
 
-    async def _switch(self, address: Address) -> None:
+    def _switch(self, address: Address) -> None:
         old = self._where()
         self.address = address
         self.num_switches += 1
         log.warning("the sentinels name a new Redis master: %s (was %s)", self._where(), old)
-        for client in self.clients:
-            pool = client.connection_pool
-            # connections in use finish their command, then close instead of going back idle
-            for connection in getattr(pool, "_in_use_connections", ()):
-                connection.mark_for_reconnect()
-            try:
-                await pool.disconnect(inuse_connections=False)
-            except (RedisError, OSError) as exc:
-                log.debug("closing idle Redis connections: %s", exc)
         self.on_switch()
