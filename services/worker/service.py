@@ -37,6 +37,9 @@ from shared.settings import Settings, parse_cuda_graphs
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 1.0  # between Redis retries: a failover takes seconds, follow it soon
+# a stopping worker that holds requests and got no plan for this long stops: their scheduler
+# is gone, and waiting out --shutdown-grace would finish nothing
+ORPHANED_AFTER_S = 3.0
 
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TTL_S = 5
@@ -185,9 +188,11 @@ class WorkerService:
             link.close()
 
     def _next_plans(self, link: StepLink, plans: deque[StepPlan]) -> bool:
-        """Read until `plans` holds one; False once stopping is due (stopping, no request held
-        and no plan coming; or the grace period is over; or cancelled)."""
+        """Read until `plans` holds one; False once stopping is due (stopping, and no request
+        held, or no plan for ORPHANED_AFTER_S: no scheduler drives the ones held; or the grace
+        period is over; or cancelled)."""
         backoff = 0.25
+        silent_since = time.monotonic()
         while not self._is_cancelled and not self._is_overdue():
             if plans:
                 return True
@@ -200,8 +205,11 @@ class WorkerService:
                 log.warning("Redis unreachable (%s); retrying in %.2f s", exc, backoff)
                 self.master.pause_blocking(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
+                silent_since = time.monotonic()  # an outage is no scheduler's silence
                 continue
             backoff = 0.25
+            if not entries and is_stopping and self._is_orphaned(silent_since):
+                break
             for entry_id, fields in entries:
                 try:
                     plans.append(entry_message(fields, StepPlan))
@@ -213,6 +221,19 @@ class WorkerService:
                 retain_registered(self.runner.lora, self.runner.requests)
         log.info("stopped with %d requests held", len(self.runner.requests))
         return False
+
+    def _is_orphaned(self, silent_since: float) -> bool:
+        """Requests are held and no plan came for ORPHANED_AFTER_S: their scheduler is gone
+        (one that drives requests sends a plan every step)."""
+        if not self.runner.requests or time.monotonic() - silent_since < ORPHANED_AFTER_S:
+            return False
+        log.warning(
+            "no plan for %.0f s while stopping: no scheduler drives the %d requests held "
+            "(another takes them from the stream)",
+            ORPHANED_AFTER_S,
+            len(self.runner.requests),
+        )
+        return True
 
     def _is_overdue(self) -> bool:
         """Stopping, and the grace period is over: no more plans are executed."""

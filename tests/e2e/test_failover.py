@@ -11,6 +11,7 @@ import signal
 import httpx
 import pytest
 
+from services.worker.service import ORPHANED_AFTER_S
 from tests.e2e.test_pipeline import prompt_text
 from tests.support.cluster import Cluster
 from tests.support.reference import greedy_ids
@@ -89,3 +90,9 @@ def test_kill_a_scheduler_mid_run(cluster, tiny_llama):
     results = run_while_killing(cluster, "scheduler-g0")
     assert_complete_and_exact(results, tiny_llama)
     assert "claimed" in cluster.logs["scheduler-g1"].read_text()
+    # g0's worker still holds what its scheduler ran: stopped, it waits for plans no more
+    # than ORPHANED_AFTER_S, not the 30 s of --shutdown-grace
+    worker = cluster.processes["worker-g0"]
+    worker.terminate()
+    assert worker.wait(timeout=ORPHANED_AFTER_S + 5) == 0
+    assert "while stopping: no scheduler drives" in cluster.logs["worker-g0"].read_text()
