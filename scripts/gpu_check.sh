@@ -13,6 +13,8 @@
 # report: {"stage", "report"}) and logs.txt (the benches' and servers' logs). LAUNCH_ARGS:
 # more flags for the launched servers, e.g. "--log-level INFO" (the worker then logs how long
 # compiling and capturing took). ALL_REQUESTS, C1_REQUESTS: requests per level (512, 16).
+# STEP_LOG=N: the servers log at DEBUG, and logs.txt keeps their first N step lines (each
+# step's tokens, requests, forward and sampling times, and its gap to the step before).
 #   [BUDGET=540] [STAGES="pytest ab:llama-3.2-1b all:llama-3.2-1b all:smollm2-135m"] \
 #       [LAUNCH_ARGS="..."] scripts/gpu_check.sh DIR
 set -u
@@ -50,12 +52,16 @@ if text:
 EOF
 }
 all_levels() {  # SHAPE: one server, benches pointed at it by --url
-    local model port=8090 pid waited=0 report
+    local model port=8090 pid waited=0 report server_log="$out/logs.txt" level=()
     model=$(python3 -c "from services.bench.random_model import build_random_model as b
 print(b('$1'))") || return 1
+    if [ "${STEP_LOG:-0}" -gt 0 ]; then  # filtered into logs.txt at the end (step_lines)
+        level=(--log-level DEBUG)
+        server_log=/tmp/textgen-server-$1.log
+    fi
     python3 -m services.launcher.cli launch --model-id "$model" --port $port \
         --kv-cache-memory 16000000000 --max-concurrent-requests 512 --metrics-port 9100 \
-        ${LAUNCH_ARGS:-} >>"$out/logs.txt" 2>&1 &
+        ${LAUNCH_ARGS:-} "${level[@]}" >>"$server_log" 2>&1 &
     pid=$!
     until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health')" \
         2>/dev/null; do
@@ -78,6 +84,17 @@ print(b('$1'))") || return 1
     broker_metrics "$1"
     kill -INT $pid
     wait $pid
+}
+step_lines() {  # STEP_LOG's servers' logs into logs.txt: all but DEBUG, and the first steps
+    local log
+    for log in /tmp/textgen-server-*.log; do
+        [ -f "$log" ] || continue
+        echo "--- $log" >>"$out/logs.txt"
+        grep -v " DEBUG " "$log" >>"$out/logs.txt"
+        grep " DEBUG worker services.worker.service: step " "$log" | head -n "$STEP_LOG" \
+            >>"$out/logs.txt"
+        rm -f "$log"
+    done
 }
 broker_metrics() {  # SHAPE: the scheduler's and worker's step timings after the benches
     python3 - "$1" >>"$out/gpu.txt" <<'EOF'
@@ -111,5 +128,6 @@ for item in ${STAGES:-pytest ab:llama-3.2-1b all:llama-3.2-1b all:smollm2-135m};
     *) echo "unknown stage $item" >>"$out/gpu.txt" ;;
     esac
 done
+[ "${STEP_LOG:-0}" -gt 0 ] && step_lines
 python3 scripts/gpu_summary.py "$out/reports.jsonl" >>"$out/gpu.txt" 2>&1
 cat "$out/gpu.txt"

@@ -279,8 +279,9 @@ class WorkerService:
 
     def _execute(self, plan: StepPlan, is_at_hand: bool) -> StepOutcome:
         """Run `plan`; `is_at_hand`: it had arrived before the step before it ended."""
+        started = time.perf_counter()
         if is_at_hand and self._last_step_end is not None:
-            self.metrics.step_gap.observe(time.perf_counter() - self._last_step_end)
+            self.metrics.step_gap.observe(started - self._last_step_end)
         if self.on_plan is not None:
             self.on_plan(plan)
         outcome = self.runner.execute(plan)  # per-request spans: see ModelRunner
@@ -309,7 +310,15 @@ class WorkerService:
             )
         self.is_last_step_ok = not result.error
         log.debug(
-            "step %d: %d tokens in %.2f ms", plan.step_id, result.num_tokens, result.step_s * 1e3
+            "step %d: %d tokens of %d requests in %.2f ms (forward %.2f, sampling %.2f), %.2f ms "
+            "after the step before",
+            plan.step_id,
+            result.num_tokens,
+            len(plan.new_requests) + len(plan.running),
+            result.step_s * 1e3,
+            result.forward_s * 1e3,
+            result.sample_s * 1e3,
+            (started - self._last_step_end) * 1e3 if self._last_step_end else 0.0,
         )
         self._last_step_end = time.perf_counter()
         return outcome
