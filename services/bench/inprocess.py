@@ -51,6 +51,8 @@ class InProcess:
         num_tokens = stats.num_generated_tokens - before
         return {
             "available": True,
+            # what the engine computes in (the server's, as load_inprocess was asked)
+            "dtype": str(engine.loaded.cache_shape.dtype).removeprefix("torch."),
             "tokens_per_s": round(num_tokens / wall_s, 1),
             "generated_tokens": num_tokens,
             "wall_s": round(wall_s, 3),
@@ -65,11 +67,12 @@ class InProcess:
         }
 
 
-def load_inprocess(model_dir: Path, speculate: int = 0) -> InProcess:
-    """The engine on `model_dir`, warmed up."""
+def load_inprocess(model_dir: Path, speculate: int = 0, dtype: str = "auto") -> InProcess:
+    """The engine on `model_dir` in `dtype` (the server's, so that the two compare), warmed
+    up."""
     from services.engine import Engine
 
-    return InProcess(Engine(str(model_dir), speculate=speculate), speculate)
+    return InProcess(Engine(str(model_dir), speculate=speculate, dtype=dtype), speculate)
 
 
 def run_ceiling(model_dir: Path) -> dict[str, Any]:

@@ -176,16 +176,17 @@ def compare_inprocess(
     cases: list[Case],
     runs: list[LevelRun],
     args: argparse.Namespace,
+    dtype: str,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The in-process baseline on the levels' workload, run while the launched server sits
-    idle (its CPU meanwhile is reported), then rounds 1..N-1 of `--rounds`: the same engine
-    and the server on a new workload each, in alternating order. Returns the baseline and
-    every round (round 0: the levels' first and that baseline)."""
+    """The in-process baseline on the levels' workload, in the server's `dtype`, run while the
+    launched server sits idle (its CPU meanwhile is reported), then rounds 1..N-1 of
+    `--rounds`: the same engine and the server on a new workload each, in alternating order.
+    Returns the baseline and every round (round 0: the levels' first and that baseline)."""
     first = runs[0] if runs and runs[0].mode == "concurrency" else None
     concurrency = int(first.value) if first else None
     compute = args.placement.compute
     with compute():
-        inprocess = load_inprocess(model_dir, args.speculate)
+        inprocess = load_inprocess(model_dir, args.speculate, dtype)
     before, started = cpu.snapshot(served.pid), time.perf_counter()
     with compute():
         baseline = inprocess.run(cases, concurrency)
@@ -297,7 +298,9 @@ def run(args: argparse.Namespace) -> int:
                 cases, args.constrained_share, level, concurrency_levels(args), model_dir
             )
         if args.compare_inprocess:
-            inprocess_baseline, rounds = compare_inprocess(served, model_dir, cases, runs, args)
+            inprocess_baseline, rounds = compare_inprocess(
+                served, model_dir, cases, runs, args, dtype
+            )
         base_runs = run_levels(served, base_cases, args) if args.compare_lora else []
     report: dict[str, Any] = {
         "model": args.model_id or f"random {args.random_model}",

@@ -61,11 +61,13 @@ def test_rounds_pair_the_server_with_the_inprocess_engine(stories_model):
     argv += [str(stories_model), "--num-requests", "6", "--concurrency", "3", "--json"]
     argv += ["--input-len-range", "16:48", "--output-len-range", "8:16", "--seed", "5"]
     argv += ["--compare-inprocess", "--rounds", "3"]
+    argv += ["--launch-arg=--dtype", "--launch-arg=bfloat16"]  # not the checkpoint's float32
     result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "round 2 c=3 [" in result.stderr  # each round's server level has its progress bar
     report = json.loads(result.stdout)
     baseline = report["baselines"]["inprocess"]
+    assert report["dtype"] == baseline["dtype"] == "bfloat16"  # the engine runs as the server
     # the in-process run happened beside the idle launched server, whose CPU is reported
     assert {"worker", "scheduler", "gateway", "redis"} <= set(baseline["server_idle_cpu_pct"])
     rounds = report["rounds"]["rounds"]
