@@ -142,7 +142,8 @@ static inline float exp_clamped(float x) {
 #define MAX_TILE_ROWS 48             /* query rows (queries x heads of a KV group) per item */
 #define MAX_QUERY_TILE 16            /* queries of one request per attention work item */
 #ifndef PREFETCH_TILES
-#define PREFETCH_TILES 2 /* key tiles the attention kernel asks memory for ahead of use */
+#define PREFETCH_TILES 3 /* key tiles the attention kernel asks memory for ahead of use
+                            (2 -> 3 with the outer-cache hint: 8.5 -> 7.9 ms, bfloat16, below) */
 #endif
 #define MAX_HEAD_DIM 256             /* the attention kernel's largest head dimension, a
                                         multiple of KEY_TILE as every head dimension must be */
