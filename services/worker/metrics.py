@@ -99,8 +99,9 @@ class WorkerMetrics:
             "1 for the path forward passes take: cpu-kernels (the fast CPU decoder), "
             "flash-attn or sdpa (transformers' modules); instruction_set: what the CPU kernels "
             "were built for (amx: bfloat16 matmuls on AMX tiles too, avx512: on AVX512-BF16 "
-            "dot products too where the CPU has them, avx2: float32 matmuls on textgen's AVX2 "
-            "kernel too, default or native; empty without them)",
+            "dot products too where the CPU has them, and float32 matmuls on textgen's AVX512 "
+            "kernel, avx2: float32 matmuls on textgen's AVX2 kernel too, default or native; "
+            "empty without them)",
             ["kernel", "instruction_set"],
             registry=r,
         )

@@ -34,8 +34,9 @@ def test_the_own_matmuls_run_exactly_where_the_kernels_were_built_for_them(ops):
     assert ops.matmul.has_amx == (ops.level == "amx" and _linux_grants_tiles())
     # the amx level builds the tiles' kernel instead (granted or not)
     assert ops.matmul.has_bf16_dot == (ops.level == "avx512" and "avx512_bf16" in cpu_flags())
-    assert ops.matmul.has_f32 == (ops.level == "avx2")
-    float32_kind = "avx2" if ops.level == "avx2" else "onednn"
+    # float32: AVX2, or AVX512 where the tiles are not built
+    assert ops.matmul.has_f32 == (ops.level in ("avx2", "avx512"))
+    float32_kind = ops.level if ops.level in ("avx2", "avx512") else "onednn"
     assert PackedLinear(torch.zeros(64, 64), ops=ops).kind == float32_kind
     assert PackedLinear(torch.zeros(64, 64)).kind == "onednn"
     if not supports(torch.bfloat16):

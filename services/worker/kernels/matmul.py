@@ -38,7 +38,9 @@ class MatmulKernels:
         self.has_amx: bool = bool(library.amx_ready())  # built for the tiles, and granted them
         # built for AVX512-BF16 without the tiles (the AMX kernel goes first where both are)
         self.has_bf16_dot: bool = not self.has_amx and bool(library.bf16_dot_ready())
-        self.has_f32: bool = bool(library.f32_linear_ready())  # built for AVX2 without AVX512
+        # built for AVX2 without AVX512, or AVX512 without AMX: floats per vector (0: not built)
+        self.f32_lanes: int = library.f32_linear_ready()
+        self.has_f32: bool = self.f32_lanes > 0
         bf16_linear = library.amx_linear_bf16 if self.has_amx else library.bf16_dot_linear
         self._linears = {torch.bfloat16: bf16_linear, torch.float32: library.f32_linear}
         for function in self._linears.values():
@@ -50,16 +52,17 @@ class MatmulKernels:
 
     def takes(self, weight: torch.Tensor) -> bool:
         """Whether a kernel here takes this weight [n, k]: bfloat16 with k a multiple of 32 on
-        AMX or AVX512-BF16, float32 on AVX2."""
+        AMX or AVX512-BF16, float32 on AVX2 or AVX512 (without AMX)."""
         if weight.dtype == torch.float32:
             return self.has_f32
         has_bf16 = self.has_amx or self.has_bf16_dot
         return has_bf16 and weight.dtype == torch.bfloat16 and weight.shape[1] % K_MULTIPLE == 0
 
     def kind(self, dtype: torch.dtype) -> str:
-        """The kernel that runs a weight of `dtype` it takes: amx, avx512bf16 or avx2."""
+        """The kernel that runs a weight of `dtype` it takes: amx, avx512bf16, avx512 or
+        avx2."""
         if dtype == torch.float32:
-            return "avx2"
+            return "avx512" if self.f32_lanes == 16 else "avx2"
         return "amx" if self.has_amx else "avx512bf16"
 
     @staticmethod
