@@ -171,16 +171,28 @@ class MasterWatch:
     async def _sweep(self) -> None:
         """Close the clients' connections that lead elsewhere than the master: idle ones now,
         those in use when released. A connection that was connecting during a switch reached
-        the old primary and, connected, forgot its mark; this finds it at the next tick."""
+        the old primary and, connected, forgot its mark; this finds it at the next tick. The
+        idle ones leave their pool before the first is closed: a pool hands out an idle
+        connection without looking at its mark, and a command sent on one while another
+        closes would still reach the old primary (redis-py's pool.disconnect, which _switch
+        used before, holds the pool's lock instead)."""
+        stale: list[tuple[list[Any], Any]] = []
         for client in self.clients:
             pool = client.connection_pool
             for connection in list(getattr(pool, "_in_use_connections", ())):
                 if self._is_elsewhere(address_of(connection)):
                     connection.mark_for_reconnect()
-            for connection in list(getattr(pool, "_available_connections", ())):
+            available: list[Any] = getattr(pool, "_available_connections", [])
+            for connection in list(available):
                 if self._is_elsewhere(address_of(connection)) and connection.is_connected:
-                    log.info("closing an idle Redis connection to %s", address_of(connection))
-                    await connection.disconnect()
+                    available.remove(connection)
+                    stale.append((available, connection))
+        for available, connection in stale:
+            log.info("closing an idle Redis connection to %s", address_of(connection))
+            try:
+                await connection.disconnect()
+            finally:
+                available.append(connection)  # closed: its next command reconnects
 
     def _switch(self, address: Address) -> None:
         old = self._where()

@@ -93,6 +93,21 @@ async def test_a_graceful_failover_moves_every_connection_at_once(redis_ha):
         await idle.connect_to(("127.0.0.1", old))
         await wait_for(lambda: not idle.is_connected, 2)
         assert await served_port(client) == new
+        # several such: none is handed out while the sweep closes another (a pool hands out
+        # idle connections without looking at their marks)
+        olds = [pool.make_connection() for _ in range(3)]
+        for connection in olds:
+            await connection.connect_to(("127.0.0.1", old))
+        pool._available_connections.extend(olds)
+        sweep = asyncio.ensure_future(watch._sweep())
+        await asyncio.sleep(0)  # the sweep is closing the first of them
+        taken = await pool.get_connection()
+        try:
+            assert taken.port == new
+        finally:
+            await pool.release(taken)
+        await sweep
+        assert not any(connection.is_connected for connection in olds)
     finally:
         link.close()
         await watch.stop()

@@ -35,10 +35,20 @@ NEW_TOKENS = 300
 STALL_ALLOWANCE_S = 2.0  # a client's longest pause: at most the failover and this
 
 
+# T6 leaves the old primary writable, so the streams only span the switch if they outlast the
+# failover (~1 s): the tiny model's 300 tokens took less on a fast host (steps of ~2 ms), and
+# the streams ended on the old primary before any service saw the switch. There the worker is
+# simulated at this many ms a step (300 tokens: ~3 s); the kill -9 faults stall the streams
+# whatever the model's speed, and keep it.
+GRACEFUL_STEP_MS = "10"
+
+
 @pytest.fixture
-def cluster(redis_ha, tiny_llama, namespace):
+def cluster(redis_ha, tiny_llama, namespace, request):
     flags = [*CLUSTER_ARGS, "--max-batch-total-tokens", "20000"]
     flags += ["--redis-sentinels", redis_ha.sentinels, "--redis-wait-replicas", "1"]
+    if request.node.callspec.params.get("fault") == "sentinel-failover":
+        flags += ["--fake-step-ms", GRACEFUL_STEP_MS]
     primary = f"redis://127.0.0.1:{redis_ha.data_ports[0]}"  # the test's own readiness checks
     cluster = Cluster(primary, namespace, tiny_llama, args=flags)
     try:
