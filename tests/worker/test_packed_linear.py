@@ -103,7 +103,7 @@ def float32_ops(request, ops, avx2_ops):
 
 def _assert_float32_rounding(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias):
     """Within float32 rounding of the exact product: the sums' order differs from F.linear's
-    (one FMA per k in the AVX2 kernel, blocked in oneDNN)."""
+    (one FMA per k in textgen's kernel, blocked in oneDNN)."""
     exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     magnitude = x.double().abs() @ weight.double().abs().T
     bound = x.shape[1] * torch.finfo(torch.float32).eps * magnitude + 1e-30
@@ -121,11 +121,14 @@ def test_the_avx2_level_has_the_float32_kernel(avx2_ops):
 
 
 @pytest.mark.parametrize("num_rows", [1, 2, 5, 6, 7, 13, 32, 61, 300])
-@pytest.mark.parametrize(("k", "n"), [(576, 960), (64, 48), (96, 40), (1536, 576), (7, 3)])
+@pytest.mark.parametrize(
+    ("k", "n"), [(576, 960), (64, 48), (96, 40), (96, 24), (1536, 576), (7, 3)]
+)
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_float32_outputs_are_the_product_within_rounding(float32_ops, num_rows, k, n, has_bias):
-    """Any row count (blocks of 6 and the rest), N that is not a multiple of the 16-column
-    panels (the last panel's outputs and bias), rows that are not adjacent in memory."""
+    """Any row count (blocks of 6 rows on AVX2, of 12 on AVX512, and the rest), N that is not a
+    multiple of the 16-column panels (the last panel's outputs and bias; on AVX512 a block's
+    two panels, the second narrower: N 24), rows that are not adjacent in memory."""
     generator = torch.Generator().manual_seed(num_rows * 1000 + n)
     weight = torch.randn(n, k, generator=generator)
     bias = torch.randn(n, generator=generator) if has_bias else None
