@@ -187,8 +187,9 @@ class MasterWatch:
                 if self._is_elsewhere(address_of(connection)) and connection.is_connected:
                     available.remove(connection)
                     stale.append((available, connection))
+        if stale:
+            log.info("closing %d idle Redis connections not to %s", len(stale), self._where())
         for available, connection in stale:
-            log.info("closing an idle Redis connection to %s", address_of(connection))
             try:
                 await connection.disconnect()
             finally:
