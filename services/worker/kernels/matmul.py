@@ -1,17 +1,16 @@
 """The fast decoder's own matmul kernels: bfloat16 on AMX tiles (amx_linear.inc), where the
 library was built for them (the amx level) and Linux grants the tile state, else on AVX512-BF16
 dot products (bf16_dot_linear.inc) where it was built for those (the avx512 level of a Zen 4,
-say), and float32 on AVX2 FMA (f32_linear.inc), where it was built for AVX2 without AVX512 (the
-avx2 level). Each packs a weight once into its layout (the two bfloat16 kernels share one) and
-computes x W^T (+ bias). Elsewhere the caller keeps oneDNN (services/worker/packed_linear.py).
+say); float32 on AVX2 FMA or AVX512F (f32_linear.inc), where it was built for AVX2 without
+AVX512 (the avx2 level) or AVX512 without AMX (the avx512 level). Each packs a weight once into
+its layout (the two bfloat16 kernels share one) and computes x W^T (+ bias). Elsewhere (float32
+on an AMX build) the caller keeps oneDNN (services/worker/packed_linear.py).
 
-Float32 on AVX512 keeps oneDNN: an AVX512 kernel of the AMX one's shape (16 output columns per
-vector, 16 rows' sums in registers) ran SmolLM2-135M's matmuls at 52 ms for 32 rows against
-oneDNN's 40, and 35 vs 20 ms at one row. The AVX2 kernel keeps 6 rows x 16 columns of sums
-instead; on 2 cores of an AVX2 AMD EPYC it beats oneDNN at every row count SmolLM2-135M's
-steps have (its four matmuls x 30 and lm_head with cold weights, medians of interleaved rounds:
-58-70 vs 82-95 ms at 32 rows, ~21 vs ~28 at 1; the four x 30 at 512 rows, prompt chunks: 782
-vs 887 ms)."""
+The AVX2 float32 kernel keeps 6 rows x 16 columns of sums in registers; on 2 cores of an AVX2
+AMD EPYC it beats oneDNN at every row count SmolLM2-135M's steps have (its four matmuls x 30
+and lm_head with cold weights, medians of interleaved rounds: 58-70 vs 82-95 ms at 32 rows,
+~21 vs ~28 at 1; the four x 30 at 512 rows, prompt chunks: 782 vs 887 ms). The AVX512 one keeps
+12 rows x 32 columns (its numbers are in f32_linear.inc)."""
 
 from __future__ import annotations
 
