@@ -126,7 +126,7 @@ def test_the_avx2_level_has_the_float32_kernel(avx2_ops):
 )
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_float32_outputs_are_the_product_within_rounding(float32_ops, num_rows, k, n, has_bias):
-    """Any row count (blocks of 6 rows on AVX2, of 12 on AVX512, and the rest), N that is not a
+    """Any row count (blocks of up to 6 rows on AVX2, 12 on AVX512, as equal as can be), N not a
     multiple of the 16-column panels (the last panel's outputs and bias; on AVX512 a block's
     two panels, the second narrower: N 24), rows that are not adjacent in memory."""
     generator = torch.Generator().manual_seed(num_rows * 1000 + n)
