@@ -37,6 +37,7 @@ SOURCE_DIR = Path(__file__).parent
 SOURCES = (
     "cpu_kernels.c",
     "cpu_kernels.inc",
+    "paged_attention.inc",
     "lora.inc",
     "amx_linear.inc",
     "bf16_dot_linear.inc",
@@ -63,7 +64,7 @@ LORA_TILE = 8  # rows of one adapter the lora_add kernel computes together (cpu_
 
 _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
-_SIGNATURES = {  # argument types of each kernel (cpu_kernels.inc documents them)
+_SIGNATURES = {  # argument types of each kernel (documented in the .inc files)
     "rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int],
     "rope_store": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, ctypes.c_int],
     "silu_mul": [_ptr, _ptr, _i64, _i64, ctypes.c_int],

@@ -163,6 +163,7 @@ static inline float exp_clamped(float x) {
 #define STORE(x) (x)
 #define LOADW(p) loadw_float(p) /* LANES consecutive elements as floats */
 #include "cpu_kernels.inc"
+#include "paged_attention.inc"
 #include "lora.inc"
 #undef T
 #undef SUFFIX
@@ -176,6 +177,7 @@ static inline float exp_clamped(float x) {
 #define STORE(x) float_to_bf16(x)
 #define LOADW(p) loadw_bf16(p)
 #include "cpu_kernels.inc"
+#include "paged_attention.inc"
 #include "lora.inc"
 #undef T
 #undef SUFFIX
