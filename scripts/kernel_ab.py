@@ -1,0 +1,140 @@
+"""Two or more builds of the CPU kernels, timed in turns in one process:
+`python scripts/kernel_ab.py {matmul,attention} VARIANT VARIANT ...`.
+
+A VARIANT is a folder holding the kernels' sources (services/worker/kernels, or a copy with
+a change), then any extra compiler flags, in one argument: "services/worker/kernels",
+"/tmp/old -DPREFETCH_TILES=0". Each is built as the worker builds its library (the same
+flags and instruction set), loaded with ctypes, and run in rounds, alternating which goes
+first, on the same inputs: on a host whose speed drifts by 10% from one minute to the next,
+two builds timed in turns drift together, where runs one after the other do not. Prints each
+build's median time and its ratio to the first's, after checking that the outputs agree.
+
+- matmul: SmolLM2-135M's four packed matmuls of 30 layers (cold weights) and lm_head, at
+  each row count of --rows, float32;
+- attention: a decode step's paged attention over 30 layers' caches (--batch requests of
+  --keys keys, blocks scattered), --dtype float32 or bfloat16.
+The commit messages of the kernels' changes quote its numbers."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from services.worker import kernels
+from services.worker.kernels.matmul import MatmulKernels
+
+LAYERS, HIDDEN, VOCAB = 30, 576, 49152
+MATMULS = [(960, HIDDEN), (HIDDEN, HIDDEN), (3072, HIDDEN), (HIDDEN, 1536)]  # (n, k)
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def build(variant: str) -> kernels.CpuKernels:
+    source, *flags = variant.split()
+    level = kernels.capability()
+    folder = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
+    for path in [*Path(source).glob("*.c"), *Path(source).glob("*.inc")]:
+        shutil.copy(path, folder / path.name)
+    library = folder / "cpu_kernels.so"
+    compiler = kernels._compiler() or "cc"
+    command = [compiler, *kernels.FLAGS, *kernels.LEVEL_FLAGS.get(level, []), kernels.march(level)]
+    command += [*flags, "-o", str(library), str(folder / "cpu_kernels.c")]
+    subprocess.run(command, check=True)
+    return kernels.CpuKernels(ctypes.CDLL(str(library)), level)
+
+
+def matmul_runs(builds: list[kernels.CpuKernels], rows: int) -> list[Callable[[], torch.Tensor]]:
+    packer = builds[0].matmul  # one packed layout for every build
+    weights = [
+        [(packer.pack(torch.randn(n, k) * 0.02), n, k) for n, k in MATMULS] for _ in range(LAYERS)
+    ]
+    weights.append([(packer.pack(torch.randn(VOCAB, HIDDEN) * 0.02), VOCAB, HIDDEN)])
+    inputs = {k: torch.randn(rows, k) for _, k in MATMULS}
+
+    def run(matmul: MatmulKernels) -> torch.Tensor:
+        for layer in weights:
+            for packed, n, k in layer:
+                out = matmul.linear(inputs[k], packed, None, n)
+        return out
+
+    return [lambda m=b.matmul: run(m) for b in builds]
+
+
+def attention_runs(
+    builds: list[kernels.CpuKernels], batch: int, keys: int, dtype: torch.dtype
+) -> list[Callable[[], torch.Tensor]]:
+    blocks_per_request = -(-keys // BLOCK)
+    slots = batch * blocks_per_request * BLOCK
+    caches = [
+        tuple(torch.randn(slots, KV_HEADS, HEAD_DIM).to(dtype) for _ in range(2))
+        for _ in range(LAYERS)
+    ]
+    tables = torch.randperm(batch * blocks_per_request).view(batch, -1).contiguous()
+    qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM).to(dtype)
+    starts = torch.arange(batch + 1)
+    lengths = torch.full((batch,), keys)
+
+    def run(ops: kernels.CpuKernels) -> torch.Tensor:
+        for k_cache, v_cache in caches:
+            out = ops.paged_attention(
+                qkv, k_cache, v_cache, starts, lengths, tables, BLOCK, HEADS, 0.125, None
+            )
+        return out
+
+    return [lambda o=b: run(o) for b in builds]
+
+
+def compare(title: str, variants: list[str], runs: list[Callable], rounds: int) -> None:
+    outputs = [run().float() for run in runs]
+    for variant, output in zip(variants[1:], outputs[1:]):
+        difference = (output - outputs[0]).abs().max().item()
+        print(f"{title}: {variant}: largest difference from the first {difference:.3g}")
+    times: list[list[float]] = [[] for _ in runs]
+    for round_ in range(rounds):
+        order = range(len(runs)) if round_ % 2 == 0 else reversed(range(len(runs)))
+        for i in order:
+            started = time.perf_counter()
+            runs[i]()
+            times[i].append((time.perf_counter() - started) * 1e3)
+    first = statistics.median(times[0])
+    for variant, spent in zip(variants, times):
+        median = statistics.median(spent)
+        print(
+            f"{title}: {variant:40s} {median:7.2f} ms  x{median / first:.3f}"
+            f"  ({min(spent):.2f}..{max(spent):.2f})"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kernel", choices=["matmul", "attention"])
+    parser.add_argument("variants", nargs="+", help='a sources folder and flags: "DIR -DX=1"')
+    parser.add_argument("--rows", default="1,16,32", help="matmul: row counts")
+    parser.add_argument("--batch", type=int, default=32, help="attention: requests")
+    parser.add_argument("--keys", type=int, default=160, help="attention: keys per request")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--rounds", type=int, default=12)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    builds = [build(variant) for variant in args.variants]
+    print(f"{torch.get_num_threads()} threads, kernels {kernels.capability()}")
+    if args.kernel == "matmul":
+        for rows in (int(r) for r in args.rows.split(",")):
+            runs = matmul_runs(builds, rows)
+            compare(f"{rows} rows", args.variants, runs, args.rounds)
+    else:
+        dtype = getattr(torch, args.dtype)
+        runs = attention_runs(builds, args.batch, args.keys, dtype)
+        compare(f"{args.batch}x{args.keys} keys", args.variants, runs, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
