@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import shutil
 import statistics
 import subprocess
 import tempfile
@@ -38,16 +37,15 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
 
 def build(variant: str) -> kernels.CpuKernels:
+    """The variant built as the worker builds its library (kernels._build), into a folder of
+    its own."""
     source, *flags = variant.split()
     level = kernels.capability()
-    folder = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
-    for path in [*Path(source).glob("*.c"), *Path(source).glob("*.inc")]:
-        shutil.copy(path, folder / path.name)
-    library = folder / "cpu_kernels.so"
-    compiler = kernels._compiler() or "cc"
-    command = [compiler, *kernels.FLAGS, *kernels.LEVEL_FLAGS.get(level, []), kernels.march(level)]
-    command += [*flags, "-o", str(library), str(folder / "cpu_kernels.c")]
-    subprocess.run(command, check=True)
+    library = Path(tempfile.mkdtemp(prefix="kernel-ab-")) / "cpu_kernels.so"
+    try:
+        kernels._build(kernels._compiler() or "cc", level, library, Path(source), tuple(flags))
+    except subprocess.CalledProcessError as exc:
+        raise SystemExit(f"{variant}: the build failed\n{exc.stderr}") from exc
     return kernels.CpuKernels(ctypes.CDLL(str(library)), level)
 
 

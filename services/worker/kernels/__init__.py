@@ -141,7 +141,13 @@ def _library_path(compiler: str, level: str) -> Path:
     return cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
 
 
-def _build(compiler: str, level: str, target: Path) -> None:
+def _build(
+    compiler: str,
+    level: str,
+    target: Path,
+    sources: Path = SOURCE_DIR,  # another copy of the sources: scripts/kernel_ab.py
+    extra_flags: tuple[str, ...] = (),  # after the level's: -DNAME=VALUE to try a variant
+) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, private = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
@@ -149,8 +155,8 @@ def _build(compiler: str, level: str, target: Path) -> None:
     try:
         subprocess.run(
             [
-                *[compiler, *FLAGS, *LEVEL_FLAGS.get(level, []), march(level)],
-                *["-o", private, str(SOURCE_DIR / "cpu_kernels.c")],
+                *[compiler, *FLAGS, *LEVEL_FLAGS.get(level, []), march(level), *extra_flags],
+                *["-o", private, str(sources / "cpu_kernels.c")],
             ],
             check=True,
             capture_output=True,

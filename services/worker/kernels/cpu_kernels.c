@@ -141,6 +141,7 @@ static inline float exp_clamped(float x) {
 #define SILU_SPAN 512 /* gate values whose exponentials silu_mul computes at once */
 #define KEY_TILE 16                  /* keys scored together in the attention kernel */
 #define PARTS (KEY_TILE / LANES)     /* vecws of a tile's scores */
+#define ROWS_MAX 4                   /* query rows the attention kernel computes together */
 #define MAX_TILE_ROWS 48             /* query rows (queries x heads of a KV group) per item */
 #define MAX_QUERY_TILE 16            /* queries of one request per attention work item */
 #ifndef PREFETCH_TILES
