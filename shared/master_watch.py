@@ -20,7 +20,14 @@ changes, the watch
   re-submits its requests, the scheduler takes its own back, the worker's link reconnects and
   sends again). A loop already on the new master (it reconnected after a crash) goes on.
 
-Without sentinels the watch does nothing and `check()` never raises.
+On a Redis Cluster (`--redis-cluster`) there are no sentinels to ask: the watch reads CLUSTER
+NODES instead and counts a switch when a slot range gets a new primary (a failover, graceful or
+after a kill -9). A write acknowledged by the old primary in its last instant may never have
+reached the replica that took over (a plan, a result, a token event): `check()` then raises
+whatever the caller's address, so each loop recovers as from a lost Redis even when redis-py's
+own retries carried its commands over to the new primary unnoticed.
+
+Without sentinels or a cluster the watch does nothing and `check()` never raises.
 """
 
 from __future__ import annotations
@@ -67,13 +74,17 @@ class MasterWatch:
         master: str,
         clients: Sequence[aioredis.Redis] = (),
         on_switch: Callable[[], object] = lambda: None,
+        cluster: bool = False,
     ):
         self.sentinels = sentinels  # --redis-sentinels, or None: nothing to follow
+        self.cluster = cluster  # --redis-cluster: follow the primaries in CLUSTER NODES
         self.master = master  # the master's name at the sentinels
         self.clients = list(clients)  # clients whose connections move with the master
         self.on_switch = on_switch  # called once per switch (the service's metric)
         self.address: Address | None = None  # the master as last named
         self.num_switches = 0  # changes of master seen since start
+        # on a cluster: each slot range's first slot -> (its primary's node id, config epoch)
+        self.owners: dict[int, tuple[str, int]] = {}
         self._task: asyncio.Task[None] | None = None
         for client in self.clients if sentinels else ():  # (a cluster client has no pool)
             self.follow(client.connection_pool)
@@ -85,7 +96,13 @@ class MasterWatch:
         clients: Sequence[aioredis.Redis] = (),
         on_switch: Callable[[], object] = lambda: None,
     ) -> MasterWatch:
-        return cls(settings.redis_sentinels, settings.redis_sentinel_master, clients, on_switch)
+        return cls(
+            settings.redis_sentinels,
+            settings.redis_sentinel_master,
+            clients,
+            on_switch,
+            cluster=settings.redis_cluster,
+        )
 
     def follow(self, pool: Any) -> None:
         """Make a sentinel-managed connection pool (redis-py's, asyncio or not) connect to the
@@ -112,9 +129,10 @@ class MasterWatch:
             target.get_master_address = lambda: named() or ask()
 
     def start(self) -> MasterWatch:
-        """Watch in a task of the running loop (no task without sentinels)."""
-        if self.sentinels and self._task is None:
-            self._task = asyncio.create_task(self._run(), name="master-watch")
+        """Watch in a task of the running loop (no task without sentinels or a cluster)."""
+        if self._task is None and (self.sentinels or self.cluster and self.clients):
+            run = self._run() if self.sentinels else self._run_cluster()
+            self._task = asyncio.create_task(run, name="master-watch")
         return self
 
     async def stop(self) -> None:
@@ -126,14 +144,19 @@ class MasterWatch:
     def check(self, seen: int, address: Address | None = None) -> int:
         """`num_switches` now. Raise MasterMoved when the master changed since `seen` unless
         `address` (where the caller is connected; None: unknown) is the new master already:
-        a loop that reconnected on its own after a crash (kill -9) goes on."""
-        if (self.num_switches != seen and address is None) or self._is_elsewhere(address):
+        a loop that reconnected on its own after a crash (kill -9) goes on. On a cluster any
+        switch raises: the loop's node cannot tell what the old primary lost."""
+        if self.num_switches != seen and (address is None or self.cluster):
+            raise MasterMoved(f"the Redis master moved to {self._where()}")
+        if self._is_elsewhere(address):
             raise MasterMoved(f"the Redis master moved to {self._where()}")
         return self.num_switches
 
     def _is_elsewhere(self, address: Address | None) -> bool:
         """`address` is known and is not the master named last (a connection made while a
         sentinel still named the old primary, or just before a switch)."""
+        if self.cluster:  # each loop's connection goes to its key's node
+            return False
         return address is not None and self.address is not None and address != self.address
 
     async def pause(self, seconds: float) -> None:
@@ -142,13 +165,13 @@ class MasterWatch:
         seen, loop = self.num_switches, asyncio.get_running_loop()
         deadline = loop.time() + seconds
         while self.num_switches == seen and (left := deadline - loop.time()) > 0:
-            await asyncio.sleep(min(left, PAUSE_TICK_S) if self.sentinels else left)
+            await asyncio.sleep(min(left, PAUSE_TICK_S) if self._task else left)
 
     def pause_blocking(self, seconds: float) -> None:
         """`pause` for a thread that is not the event loop's (the worker's torch thread)."""
         seen, deadline = self.num_switches, time.monotonic() + seconds
         while self.num_switches == seen and (left := deadline - time.monotonic()) > 0:
-            time.sleep(min(left, PAUSE_TICK_S) if self.sentinels else left)
+            time.sleep(min(left, PAUSE_TICK_S) if self._task else left)
 
     def _where(self) -> str:
         return f"{self.address[0]}:{self.address[1]}" if self.address else "?"
@@ -167,6 +190,40 @@ class MasterWatch:
                 self.address = address
                 await self._sweep()  # after a switch: every connection to the old primary
             await asyncio.sleep(WATCH_INTERVAL_S)
+
+    async def _run_cluster(self) -> None:
+        client = self.clients[0]
+        while True:
+            try:
+                nodes = await client.execute_command("CLUSTER NODES")  # type: ignore[no-untyped-call]
+            except (RedisError, OSError, TimeoutError) as exc:  # CLUSTERDOWN answers this
+                log.debug("no CLUSTER NODES: %s", exc)
+            else:
+                self._note_owners(nodes)
+            await asyncio.sleep(WATCH_INTERVAL_S)
+
+    def _note_owners(self, nodes: dict[str, dict[str, Any]]) -> None:
+        """Take the primaries that CLUSTER NODES (as redis-py parses it) names; a range whose
+        primary changed to one of a newer config epoch (a node not yet told of a failover
+        names the old one, with its older epoch) is a switch, one per range."""
+        moved = []
+        for address, node in nodes.items():
+            if "master" not in node["flags"] or "fail" in node["flags"]:
+                continue
+            owner = (node["node_id"], int(node["epoch"]))
+            for first, *_ in node["slots"]:
+                known = self.owners.get(int(first))
+                if known is None or owner[0] != known[0] and owner[1] > known[1]:
+                    self.owners[int(first)] = owner
+                    if known is not None:
+                        moved.append((int(first), address))
+        if moved:
+            host, _, port = str(moved[-1][1]).rpartition(":")
+            self.address = (host, int(port))
+            self.num_switches += len(moved)
+            for first, address in moved:
+                log.warning("Redis Cluster node %s now serves the slots from %d", address, first)
+                self.on_switch()
 
     async def _sweep(self) -> None:
         """Close the clients' connections that lead elsewhere than the master: idle ones now,

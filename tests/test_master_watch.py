@@ -3,7 +3,9 @@ SENTINEL FAILOVER (the old primary stays up and still answers as a master for se
 watch counts one switch, loops that check it get MasterMoved once, and both an asyncio client
 and the worker's step link reach the new primary at their next command, a connection that was
 in use during the switch included, and the connections made after it even where a sentinel
-still names the old primary."""
+still names the old primary. On a Redis Cluster it follows CLUSTER NODES: a primary's kill -9
+and a CLUSTER FAILOVER count one switch each once the replica serves, and every loop that
+checks then gets MasterMoved once, wherever it is connected."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 from services.worker.step_link import StepLink
 from shared.master_watch import MasterMoved, MasterWatch
 from shared.redis_connect import connect
+from tests.support.redis_cluster import RedisCluster
 from tests.support.redis_ha import MASTER, ping
 
 pytestmark = [
@@ -119,3 +122,33 @@ async def test_without_sentinels_the_watch_does_nothing():
     assert watch._task is None
     watch.check(0)
     await watch.stop()
+
+
+async def test_on_a_cluster_each_new_primary_is_a_switch():
+    cluster = RedisCluster().start()
+    client = connect(cluster.url, cluster=True)
+    switched: list[int] = []
+    watch = MasterWatch(None, MASTER, [client], lambda: switched.append(1), cluster=True).start()
+    try:
+        await wait_for(lambda: len(watch.owners) == 3, 5)  # 0-5460, 5461-10922, 10923-16383
+        assert sorted(watch.owners) == [0, 5461, 10923]
+        anywhere = ("127.0.0.1", cluster.ports[0])
+        assert watch.check(0, anywhere) == 0
+        # stopped for 2 s: the primary is failed, its slots without a node, and no switch yet
+        killed = asyncio.create_task(asyncio.to_thread(cluster.kill, "{a}", late_s=2.0))
+        await asyncio.sleep(1.5)
+        assert watch.num_switches == 0
+        await killed
+        await wait_for(lambda: watch.num_switches == 1, 5)
+        for address in (None, anywhere, ("127.0.0.1", cluster.port_of("{a}"))):
+            with pytest.raises(MasterMoved):
+                watch.check(0, address)
+        assert watch.check(1, anywhere) == 1
+        await asyncio.to_thread(cluster.fail_over, "{b}")
+        await wait_for(lambda: watch.num_switches == 2, 5)
+        await asyncio.sleep(1.0)  # nodes told of the failovers late name no older primary
+        assert watch.num_switches == 2 and switched == [1, 1]
+    finally:
+        await watch.stop()
+        await client.aclose()
+        cluster.stop()

@@ -37,7 +37,8 @@ class GatewayMetrics:
         self.num_resumed_requests = 0  # re-submitted after Redis lost their token events
         self.num_unreplicated = 0  # accepted before --redis-wait-replicas replicas had them
         self.num_redis_epoch_changes = 0  # Redis restarted or failed over under this gateway
-        # new masters the sentinels named (shared/master_watch), or moves of a cluster's lanes
+        # new masters the sentinels named, or new primaries of a cluster's slots
+        # (shared/master_watch)
         self.num_redis_master_switches = 0
 
         def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
@@ -184,8 +185,8 @@ class GatewayMetrics:
             "# TYPE textgen_redis_epoch_changes counter",
             f"textgen_redis_epoch_changes {self.num_redis_epoch_changes}",
             "# HELP textgen_redis_master_switches times the sentinels named a new Redis master "
-            "while this gateway watched them (it then left the old primary at once), or a "
-            "Redis Cluster moved the request lanes to another node",
+            "while this gateway watched them (it then left the old primary at once), or times "
+            "a Redis Cluster's slots got a new primary",
             "# TYPE textgen_redis_master_switches counter",
             f"textgen_redis_master_switches {self.num_redis_master_switches}",
         ]

@@ -196,9 +196,12 @@ def generated_ids(url: str, prompt: str, max_new_tokens: int, timeout: float = 1
     return [token["id"] for token in response.json()["details"]["tokens"]]
 
 
-async def sse_events(http: httpx.AsyncClient, body: dict) -> list[dict]:
-    """Every event of a /generate_stream answer to `body` (asserting a 200)."""
-    events = []
+async def sse_events(
+    http: httpx.AsyncClient, body: dict, events: list[dict] | None = None
+) -> list[dict]:
+    """Every event of a /generate_stream answer to `body` (asserting a 200), appended to
+    `events` as they come when given (what a stream that hangs got so far)."""
+    events = [] if events is None else events
     async with http.stream("POST", "/generate_stream", json=body) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():

@@ -116,17 +116,24 @@ class RedisCluster:
         wait_until(lambda: self.port_of(key) == replica, timeout, f"failover to {replica}")
         return time.monotonic() - started
 
-    def kill(self, key: str, late_s: float = 0.0, timeout: float = 30.0) -> float:
+    def kill(
+        self, key: str, late_s: float = 0.0, lose_s: float = 0.0, timeout: float = 30.0
+    ) -> float:
         """kill -9 the primary serving `key`; seconds until its replica serves the slot. With
         `late_s`, the replica is stopped (SIGSTOP) for that long first: once the others mark the
         primary failed (after NODE_TIMEOUT_MS) the slot has no node, and every node answers
-        CLUSTERDOWN until the replica takes over (a slow failover)."""
+        CLUSTERDOWN until the replica takes over (a slow failover). With `lose_s` too, the
+        primary drops the stopped replica's link and serves alone for that long before it dies:
+        the writes it acknowledged meanwhile are lost (replication is asynchronous)."""
         primary = self.port_of(key)
         replica = redis.Redis(port=primary).info("replication")["slave0"]["port"]
         held = self.processes[self.ports.index(replica)]
         started = time.monotonic()
         if late_s:
             held.send_signal(signal.SIGSTOP)
+        if lose_s:
+            redis.Redis(port=primary).client_kill_filter(_type="replica")
+            time.sleep(lose_s)
         self.processes[self.ports.index(primary)].kill()
         if late_s:
             time.sleep(late_s)

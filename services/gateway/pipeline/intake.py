@@ -86,7 +86,8 @@ class Intake:
 
     async def _node_of(self, key: str) -> aioredis.Redis:
         """The client whose connection writes `key`: the plain one, or on a cluster the client
-        of the node serving it (every lane is in one slot); a move is counted and logged."""
+        of the node serving it (every lane is in one slot); a move is logged (the master
+        watch counts it)."""
         if not isinstance(self.client, aioredis.RedisCluster):
             return self.client
         node = self.client.get_node_from_key(key)
@@ -94,7 +95,6 @@ class Intake:
         if self._node is None or name != self._node[0]:
             old, self._node = self._node, (name, node_client(self.client, key))
             if old is not None:  # replaced first: a request arriving meanwhile takes the new one
-                self.metrics.redis_master_switched()
                 log.warning("the request lanes moved to Redis Cluster node %s", name)
                 await old[1].aclose()
         return self._node[1]

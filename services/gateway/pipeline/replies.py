@@ -10,11 +10,12 @@ delivered: an event that starts past the next index (its predecessor was publish
 gateway was not listening) is dropped, and the request is told to resume.
 
 When the subscription is lost (Redis went away or failed over, or the sentinels named a new
-master while the old primary still answers: shared/master_watch.py), every registered request is
-told to resume (a RESUME event; services/gateway/pipeline/generation.py re-submits it with the
-tokens it delivered once Redis answers again), since a token published meanwhile never reaches
-this gateway; with resuming off (`--redis-resume-timeout 0`) each gets an error event at once
-instead. A malformed ReplyBatch is logged and skipped.
+master while the old primary still answers: shared/master_watch.py), or a Redis Cluster's node
+failed over (the subscription stays), every registered request is told to resume (a RESUME
+event; services/gateway/pipeline/generation.py re-submits it with the tokens it delivered once
+Redis answers again), since a token published meanwhile never reaches this gateway; with
+resuming off (`--redis-resume-timeout 0`) each gets an error event at once instead. A malformed
+ReplyBatch is logged and skipped.
 
     delivered 1..7    event 8..9  -> delivered          event 11 -> dropped, RESUME (gap at 10)
 """
@@ -236,6 +237,11 @@ class ReplyRouter:
                 delay = 0.1
                 log.info("listening for token events on %s", self.channel)
                 while not self._is_stopping:
+                    if self.master.cluster and self.master.num_switches != seen:
+                        # a cluster node failed over: an event it took may be lost, yet this
+                        # subscription (on another node, or it had failed) still hears the rest
+                        seen = self.master.num_switches
+                        self.lose_all()
                     seen = self.master.check(seen, address)
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
                     if message is not None and message["type"] == "message":
