@@ -85,6 +85,7 @@ class SchedulerMetrics:
         )
         self.master_switches = Counter(
             "textgen_scheduler_redis_master_switches",
-            "new Redis masters the sentinels named; each ended the session on the old primary",
+            "new Redis masters the sentinels named, or new primaries of a Redis Cluster's slots; "
+            "each ended the session",
             registry=r,
         )

@@ -66,7 +66,8 @@ class WorkerMetrics:
         )
         self.master_switches = Counter(
             "textgen_worker_redis_master_switches",
-            "new Redis masters the sentinels named; the step link left the old primary",
+            "new Redis masters the sentinels named, or new primaries of a Redis Cluster's slots; "
+            "the step link left the old primary",
             registry=r,
         )
         self.heartbeat_failures = Counter(
