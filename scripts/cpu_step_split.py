@@ -68,6 +68,11 @@ def main() -> None:
     packed_linear.PackedLinear.__call__ = timers.wrap(
         linear, lambda self, x: ("matmul", x.shape[0] > 64, self.in_features, self.out_features)
     )
+    fused = packed_linear.PackedLinear.silu_mul  # a gate/up matmul with silu_mul in it
+    packed_linear.PackedLinear.silu_mul = timers.wrap(
+        fused,
+        lambda self, x, ops: ("matmul+silu", x.shape[0] > 64, self.in_features, self.out_features),
+    )
     for name in KERNELS:
         kernel = getattr(kernels.CpuKernels, name)
         setattr(kernels.CpuKernels, name, timers.wrap(kernel, lambda *_, n=name: n))

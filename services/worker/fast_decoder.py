@@ -12,6 +12,9 @@ kernels (services/worker/kernels):
       -> paged_attention -> o matmul -> rms_norm(+ residual) -> gate_up matmul -> silu_mul
       -> down matmul -> (residual added by the next layer's rms_norm)
 
+On the float32 kernel the gate_up matmul computes silu_mul on its sums itself (one pass, the
+product never in memory: PackedLinear.silu_mul), unless a LoRA adapter adds to the product.
+
 Each op rounds as transformers' does (bfloat16 results of float32 arithmetic), so outputs
 stay equal to transformers' generate; only reduction orders differ (the norm's mean, the
 attention's softmax), as between any two kernels. The model's own rotary embedding module
@@ -235,7 +238,7 @@ class FastDecoder:
             qkv=pack(self.ops, attention.q_proj, attention.k_proj, attention.v_proj),
             o=pack(self.ops, attention.o_proj),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=pack(self.ops, mlp.gate_proj, mlp.up_proj),
+            gate_up=pack(self.ops, mlp.gate_proj, mlp.up_proj, gated=True),
             down=pack(self.ops, mlp.down_proj),
             sliding_window=window,
             scaling=attention.scaling,
@@ -271,10 +274,12 @@ class FastDecoder:
             if lora:
                 lora.add(f"{index}.o", attended, attention_out)
             x = ops.rms_norm(attention_out, layer.post_norm, self.eps, residual=residual)
-            gate_up = layer.gate_up(x)
             if lora:
+                gate_up = layer.gate_up(x)
                 lora.add(f"{index}.gate_up", x, gate_up)
-            activated = ops.silu_mul(gate_up)
+                activated = ops.silu_mul(gate_up)
+            else:  # in one pass where the matmul fuses them
+                activated = layer.gate_up.silu_mul(x, ops)
             mlp_out = layer.down(activated)
             if lora:
                 lora.add(f"{index}.down", activated, mlp_out)

@@ -42,6 +42,7 @@ class PackedLinear:
         weight: torch.Tensor,  # [out_features, in_features]
         bias: torch.Tensor | None = None,  # [out_features]
         ops: kernels.CpuKernels | None = None,  # the CPU kernels, for their matmuls
+        gated: bool = False,  # weight is [gate; up] of an MLP (silu_mul may follow it)
     ) -> None:
         if not supports(weight.dtype):
             raise ValueError(f"oneDNN cannot run {weight.dtype} matmuls on this CPU")
@@ -50,7 +51,15 @@ class PackedLinear:
         matmul = ops.matmul if ops is not None else None
         # textgen's own kernel where one takes this weight here, else None (oneDNN)
         self.own = matmul if matmul is not None and matmul.takes(weight) else None
-        if self.own is not None:
+        # the float32 kernel runs silu_mul in the matmul where it takes this gate/up: its
+        # rows are packed interleaved (MatmulKernels.interleave_gate_up)
+        self.fuses_silu = (
+            gated and self.own is not None and self.own.takes_gate_up(weight, bias is not None)
+        )
+        if self.fuses_silu:
+            assert self.own is not None
+            self.packed = self.own.pack(self.own.interleave_gate_up(weight.contiguous()))
+        elif self.own is not None:
             self.packed = self.own.pack(weight.contiguous())
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
@@ -64,7 +73,21 @@ class PackedLinear:
         """The matmul that runs it: amx, avx512bf16, avx2 or onednn."""
         return "onednn" if self.own is None else self.own.kind(self.packed.dtype)
 
+    def silu_mul(self, x: torch.Tensor, ops: kernels.CpuKernels) -> torch.Tensor:
+        """silu(gate) * up of a gated weight's product, in one pass where it fuses them.
+        [num_rows, in_features] -> [num_rows, out_features / 2]"""
+        if self.fuses_silu:
+            assert self.own is not None
+            return self.own.linear_silu(x, self.packed, self.out_features // 2)
+        return ops.silu_mul(self(x))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fuses_silu:  # [gate | up] from the interleaved columns (LoRA adds to them)
+            assert self.own is not None
+            out = self.own.linear(x, self.packed, self.bias, self.out_features)
+            lanes = self.own.f32_lanes
+            halves = out.view(out.shape[0], -1, 2, lanes).transpose(1, 2)
+            return halves.reshape(out.shape[0], self.out_features)
         if self.own is None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
         if x.shape[0] <= AMX_MAX_ROWS or not self._hands_long_to_onednn:
@@ -85,10 +108,13 @@ def _concat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
     )
 
 
-def pack(ops: kernels.CpuKernels | None, *linears: torch.nn.Linear) -> PackedLinear:
-    """One packed matmul for linears that read the same input; their weights are released."""
+def pack(
+    ops: kernels.CpuKernels | None, *linears: torch.nn.Linear, gated: bool = False
+) -> PackedLinear:
+    """One packed matmul for linears that read the same input (`gated`: an MLP's gate and
+    up); their weights are released."""
     weight = torch.cat([linear.weight.detach() for linear in linears])
-    packed = PackedLinear(weight, _concat_bias(*linears), ops)
+    packed = PackedLinear(weight, _concat_bias(*linears), ops, gated=gated)
     for linear in linears:
         linear.weight = torch.nn.Parameter(linear.weight.new_empty(0), requires_grad=False)
     return packed

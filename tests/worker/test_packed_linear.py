@@ -164,3 +164,43 @@ def test_pack_fuses_linears_that_read_one_input_and_releases_their_weights(ops, 
     else:
         torch.testing.assert_close(fused(x), expected)
     assert q.weight.numel() == 0 and v.weight.numel() == 0
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 12, 13, 32, 61, 300])
+@pytest.mark.parametrize(("k", "width"), [(576, 1536), (64, 48), (96, 16)])
+def test_float32_gate_up_runs_silu_mul_in_the_matmul(float32_ops, num_rows, k, width):
+    """An MLP's gate/up on the float32 kernel: packed with gate and up interleaved a vector at
+    a time, silu(gate) * up computed on the sums in registers equals the unfused matmul and
+    silu_mul bit for bit, and the plain product ([gate | up], for LoRA) is the unfused one.
+    (Where the level has no float32 kernel, oneDNN's product and silu_mul, the same way.)"""
+    generator = torch.Generator().manual_seed(num_rows * 1000 + width)
+    weight = torch.randn(2 * width, k, generator=generator) / k**0.5
+    x = torch.randn(num_rows, k + 5, generator=generator)[:, 2 : k + 2]  # rows k + 5 apart
+    gated = PackedLinear(weight, None, float32_ops, gated=True)
+    plain = PackedLinear(weight, None, float32_ops)
+    assert gated.fuses_silu == float32_ops.matmul.has_f32 and not plain.fuses_silu
+    product = plain(x)
+    assert torch.equal(gated(x), product)
+    activated = gated.silu_mul(x, float32_ops)
+    assert activated.shape == (num_rows, width)
+    assert torch.equal(activated, float32_ops.silu_mul(product))
+    gate, up = product.double().chunk(2, dim=1)
+    torch.testing.assert_close(activated.double(), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+def test_a_gate_up_the_kernel_cannot_fuse_keeps_silu_mul_apart(ops, avx2_ops):
+    """A bias, a width that is no multiple of the vector's, or oneDNN: the product as before,
+    and silu_mul after it."""
+    weight = torch.randn(2 * 40, 32)
+    x = torch.randn(3, 32)
+    biased = PackedLinear(weight, torch.randn(80), avx2_ops, gated=True)
+    assert not biased.fuses_silu
+    expected = avx2_ops.silu_mul(biased(x))
+    assert torch.equal(biased.silu_mul(x, avx2_ops), expected)
+    # 40 is a multiple of AVX2's 8 floats, not of AVX512's 16
+    assert PackedLinear(weight, None, avx2_ops, gated=True).fuses_silu
+    on_host = PackedLinear(weight, None, ops, gated=True)
+    assert on_host.fuses_silu == (ops.matmul.f32_lanes == 8)
+    onednn = PackedLinear(weight, None, None, gated=True)
+    assert not onednn.fuses_silu
+    torch.testing.assert_close(onednn.silu_mul(x, ops), ops.silu_mul(F.linear(x, weight)))
