@@ -146,9 +146,8 @@ class MasterWatch:
         `address` (where the caller is connected; None: unknown) is the new master already:
         a loop that reconnected on its own after a crash (kill -9) goes on. On a cluster any
         switch raises: the loop's node cannot tell what the old primary lost."""
-        if self.num_switches != seen and (address is None or self.cluster):
-            raise MasterMoved(f"the Redis master moved to {self._where()}")
-        if self._is_elsewhere(address):
+        is_unknown = address is None or self.cluster
+        if (self.num_switches != seen and is_unknown) or self._is_elsewhere(address):
             raise MasterMoved(f"the Redis master moved to {self._where()}")
         return self.num_switches
 

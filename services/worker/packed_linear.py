@@ -85,9 +85,7 @@ class PackedLinear:
         if self.fuses_silu:  # [gate | up] from the interleaved columns (LoRA adds to them)
             assert self.own is not None
             out = self.own.linear(x, self.packed, self.bias, self.out_features)
-            lanes = self.own.f32_lanes
-            halves = out.view(out.shape[0], -1, 2, lanes).transpose(1, 2)
-            return halves.reshape(out.shape[0], self.out_features)
+            return self.own.deinterleave_gate_up(out)
         if self.own is None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
         if x.shape[0] <= AMX_MAX_ROWS or not self._hands_long_to_onednn:

@@ -12,8 +12,9 @@ and lm_head with cold weights, medians of interleaved rounds: 58-70 vs 82-95 ms 
 ~21 vs ~28 at 1; the four x 30 at 512 rows, prompt chunks: 782 vs 887 ms). The AVX512 one keeps
 12 rows x 32 columns (its numbers are in f32_linear.inc). An MLP's gate/up runs on it as
 linear_silu: gate and up rows packed interleaved, silu(gate) * up computed on the sums in
-registers (SmolLM2-135M in float32 on 2 Zen 4 cores, fused against unfused in turns: a
-batch-32 decode step 71.8 vs 75.4 ms, four 128-token prompts 604 vs 622 ms)."""
+registers (SmolLM2-135M in float32 on 2 Zen 4 cores, fused against unfused in turns, three
+runs: four 128-token prompts 604 vs 622, 590 vs 615, 552 vs 568 ms; a batch-32 decode step
+71.8 vs 75.4 ms in the first run, level in the other two)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,11 @@ class MatmulKernels:
         lanes = self.f32_lanes
         gate, up = weight.view(2, -1, lanes, weight.shape[1]).unbind(0)
         return torch.stack([gate, up], dim=1).reshape(weight.shape)
+
+    def deinterleave_gate_up(self, out: torch.Tensor) -> torch.Tensor:
+        """The product [num_rows, 2 * width] of an interleave_gate_up weight as [gate | up]."""
+        halves = out.view(out.shape[0], -1, 2, self.f32_lanes).transpose(1, 2)
+        return halves.reshape(out.shape)
 
     def takes_gate_up(self, weight: torch.Tensor, has_bias: bool) -> bool:
         """Whether linear_silu takes this gate/up weight [2 * width, k]: float32 on the float32
