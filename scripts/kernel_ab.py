@@ -10,7 +10,7 @@ two builds timed in turns drift together, where runs one after the other do not.
 build's median time and its ratio to the first's, after checking that the outputs agree.
 
 - matmul: SmolLM2-135M's four packed matmuls of 30 layers (cold weights) and lm_head, at
-  each row count of --rows, float32;
+  each row count of --rows, --dtype float32 or bfloat16 (where a bfloat16 kernel is built);
 - attention: a decode step's paged attention over 30 layers' caches (--batch requests of
   --keys keys, blocks scattered), --dtype float32 or bfloat16.
 The commit messages of the kernels' changes quote its numbers."""
@@ -49,13 +49,17 @@ def build(variant: str) -> kernels.CpuKernels:
     return kernels.CpuKernels(ctypes.CDLL(str(library)), level)
 
 
-def matmul_runs(builds: list[kernels.CpuKernels], rows: int) -> list[Callable[[], torch.Tensor]]:
+def matmul_runs(
+    builds: list[kernels.CpuKernels], rows: int, dtype: torch.dtype
+) -> list[Callable[[], torch.Tensor]]:
     packer = builds[0].matmul  # one packed layout for every build
-    weights = [
-        [(packer.pack(torch.randn(n, k) * 0.02), n, k) for n, k in MATMULS] for _ in range(LAYERS)
-    ]
-    weights.append([(packer.pack(torch.randn(VOCAB, HIDDEN) * 0.02), VOCAB, HIDDEN)])
-    inputs = {k: torch.randn(rows, k) for _, k in MATMULS}
+
+    def packed(n: int, k: int) -> tuple[torch.Tensor, int, int]:
+        return packer.pack((torch.randn(n, k) * 0.02).to(dtype)), n, k
+
+    weights = [[packed(n, k) for n, k in MATMULS] for _ in range(LAYERS)]
+    weights.append([packed(VOCAB, HIDDEN)])
+    inputs = {k: torch.randn(rows, k).to(dtype) for _, k in MATMULS}
 
     def run(matmul: MatmulKernels) -> torch.Tensor:
         for layer in weights:
@@ -124,12 +128,12 @@ def main() -> None:
     torch.manual_seed(0)
     builds = [build(variant) for variant in args.variants]
     print(f"{torch.get_num_threads()} threads, kernels {kernels.capability()}")
+    dtype = getattr(torch, args.dtype)
     if args.kernel == "matmul":
         for rows in (int(r) for r in args.rows.split(",")):
-            runs = matmul_runs(builds, rows)
+            runs = matmul_runs(builds, rows, dtype)
             compare(f"{rows} rows", args.variants, runs, args.rounds)
     else:
-        dtype = getattr(torch, args.dtype)
         runs = attention_runs(builds, args.batch, args.keys, dtype)
         compare(f"{args.batch}x{args.keys} keys", args.variants, runs, args.rounds)
 

@@ -62,6 +62,32 @@ static inline void ask_lines(line_run *run, int count) {
     }
 }
 
+/* The matmuls' share of work between their threads: items (a chunk of rows x a block of
+ * columns, a chunk's blocks numbered in a row) claimed from one shared count `*claimed`, up
+ * to `most` consecutive items of one chunk at a time, and fewer once fewer than 2 x threads x
+ * that are left, so that the threads end together (a whole take left over made one of two
+ * threads compute 10 of a matmul's 18 blocks while the other waited after 8). Dynamic, not a
+ * static split: a static one made the whole matmul wait whenever another process took one of
+ * the cores for a moment (float32 matmuls of 30 layers at 32 rows, 2 AVX2 cores: 82.5 ms
+ * against 77.5 beside a process busy 2 ms in every 22; taken dynamically 74-75 either way).
+ * Returns the take's first item and sets *size, or -1 when every item
+ * is taken. */
+static inline int64_t claim_take(int64_t *claimed, int64_t total, int64_t per_chunk,
+                                 int64_t most, int num_threads, int64_t *size) {
+    int64_t first = __atomic_load_n(claimed, __ATOMIC_RELAXED), take;
+    do {
+        if (first >= total) return -1;
+        int64_t in_chunk = per_chunk - first % per_chunk;
+        take = (total - first) / (2 * (int64_t)num_threads);
+        if (take > most) take = most;
+        if (take > in_chunk) take = in_chunk;
+        if (take < 1) take = 1;
+    } while (!__atomic_compare_exchange_n(claimed, &first, first + take, 0, __ATOMIC_RELAXED,
+                                          __ATOMIC_RELAXED));
+    *size = take;
+    return first;
+}
+
 #if defined(HAS_AMX_LINEAR) || defined(HAS_BF16_DOT_LINEAR)
 /* 32 bfloat16 values as two float32 vectors (masked: n may end inside a pair of panels, so
  * `columns` says which to read); the bfloat16 matmuls' bias */
