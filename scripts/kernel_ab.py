@@ -12,7 +12,8 @@ build's median time and its ratio to the first's, after checking that the output
 - matmul: SmolLM2-135M's four packed matmuls of 30 layers (cold weights) and lm_head, at
   each row count of --rows, --dtype float32 or bfloat16 (where a bfloat16 kernel is built);
 - attention: a decode step's paged attention over 30 layers' caches (--batch requests of
-  --keys keys, blocks scattered), --dtype float32 or bfloat16.
+  --keys keys, blocks scattered), --dtype float32 or bfloat16; with --queries N, each
+  request's last N keys are its queries (a prompt chunk: --batch 4 --keys 128 --queries 128).
 The commit messages of the kernels' changes quote its numbers."""
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def matmul_runs(
 
 
 def attention_runs(
-    builds: list[kernels.CpuKernels], batch: int, keys: int, dtype: torch.dtype
+    builds: list[kernels.CpuKernels], batch: int, keys: int, queries: int, dtype: torch.dtype
 ) -> list[Callable[[], torch.Tensor]]:
     blocks_per_request = -(-keys // BLOCK)
     slots = batch * blocks_per_request * BLOCK
@@ -80,8 +81,8 @@ def attention_runs(
         for _ in range(LAYERS)
     ]
     tables = torch.randperm(batch * blocks_per_request).view(batch, -1).contiguous()
-    qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM).to(dtype)
-    starts = torch.arange(batch + 1)
+    qkv = torch.randn(batch * queries, (HEADS + 2 * KV_HEADS) * HEAD_DIM).to(dtype)
+    starts = torch.arange(batch + 1) * queries
     lengths = torch.full((batch,), keys)
 
     def run(ops: kernels.CpuKernels) -> torch.Tensor:
@@ -122,6 +123,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16,32", help="matmul: row counts")
     parser.add_argument("--batch", type=int, default=32, help="attention: requests")
     parser.add_argument("--keys", type=int, default=160, help="attention: keys per request")
+    parser.add_argument("--queries", type=int, default=1, help="attention: queries per request")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=12)
     args = parser.parse_args()
@@ -134,8 +136,9 @@ def main() -> None:
             runs = matmul_runs(builds, rows, dtype)
             compare(f"{rows} rows", args.variants, runs, args.rounds)
     else:
-        runs = attention_runs(builds, args.batch, args.keys, dtype)
-        compare(f"{args.batch}x{args.keys} keys", args.variants, runs, args.rounds)
+        runs = attention_runs(builds, args.batch, args.keys, args.queries, dtype)
+        title = f"{args.batch}x{args.queries}x{args.keys} queries x keys"
+        compare(title, args.variants, runs, args.rounds)
 
 
 if __name__ == "__main__":
