@@ -119,6 +119,15 @@ static inline vecw loadw_float(const float *p) {
     return v;
 }
 
+/* the sum of v's lanes, halves added pairwise (the same order every time) */
+static inline float sum_lanes(vecw v) {
+    float lanes[LANES];
+    memcpy(lanes, &v, sizeof v);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int i = 0; i < width; i++) lanes[i] += lanes[i + width];
+    return lanes[0];
+}
+
 static inline vecw loadw_bf16(const bf16_t *p) {
     u16xw raw;
     memcpy(&raw, p, sizeof raw);
