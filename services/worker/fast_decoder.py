@@ -12,8 +12,9 @@ kernels (services/worker/kernels):
       -> paged_attention -> o matmul -> rms_norm(+ residual) -> gate_up matmul -> silu_mul
       -> down matmul -> (residual added by the next layer's rms_norm)
 
-On the float32 kernel the gate_up matmul computes silu_mul on its sums itself (one pass, the
-product never in memory: PackedLinear.silu_mul), unless a LoRA adapter adds to the product.
+On the float32 kernel and the bfloat16 dot-product one the gate_up matmul computes silu_mul on
+its sums itself (one pass, the product never in memory: PackedLinear.silu_mul), unless a LoRA
+adapter adds to the product.
 
 Each op rounds as transformers' does (bfloat16 results of float32 arithmetic), so outputs
 stay equal to transformers' generate; only reduction orders differ (the norm's mean, the

@@ -51,8 +51,8 @@ class PackedLinear:
         matmul = ops.matmul if ops is not None else None
         # textgen's own kernel where one takes this weight here, else None (oneDNN)
         self.own = matmul if matmul is not None and matmul.takes(weight) else None
-        # the float32 kernel runs silu_mul in the matmul where it takes this gate/up: its
-        # rows are packed interleaved (MatmulKernels.interleave_gate_up)
+        # the float32 and bfloat16 dot-product kernels run silu_mul in the matmul where they
+        # take this gate/up: its rows are packed interleaved (MatmulKernels.interleave_gate_up)
         self.fuses_silu = (
             gated and self.own is not None and self.own.takes_gate_up(weight, bias is not None)
         )

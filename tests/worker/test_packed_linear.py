@@ -188,6 +188,31 @@ def test_float32_gate_up_runs_silu_mul_in_the_matmul(float32_ops, num_rows, k, w
     torch.testing.assert_close(activated.double(), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
 
 
+@needs_bfloat16
+@pytest.mark.parametrize("num_rows", [1, 5, 12, 13, 32, 61, 300])
+@pytest.mark.parametrize(("k", "width"), [(576, 1536), (64, 48), (96, 16), (64, 24)])
+def test_bfloat16_gate_up_runs_silu_mul_in_the_dot_product_matmul(ops, num_rows, k, width):
+    """On the AVX512-BF16 dot-product kernel an MLP's gate/up is packed with gate and up
+    interleaved 16 rows at a time; silu(gate) * up from the sums, rounded to bfloat16 as the
+    unfused matmul rounds them, equals that matmul and silu_mul bit for bit, and the plain
+    product ([gate | up], for LoRA) is the unfused one. (A width that is no multiple of 16,
+    AMX and oneDNN: apart, the same way.)"""
+    generator = torch.Generator().manual_seed(num_rows * 1000 + width)
+    weight = (torch.randn(2 * width, k, generator=generator) / k**0.5).bfloat16()
+    x = torch.randn(num_rows, k + 6, generator=generator).bfloat16()[:, 2 : k + 2]
+    gated = PackedLinear(weight, None, ops, gated=True)
+    plain = PackedLinear(weight, None, ops)
+    assert gated.fuses_silu == (ops.matmul.has_bf16_dot and width % 16 == 0)
+    assert not plain.fuses_silu
+    product = plain(x)
+    assert torch.equal(gated(x), product)
+    activated = gated.silu_mul(x, ops)
+    assert activated.shape == (num_rows, width) and activated.dtype == torch.bfloat16
+    assert torch.equal(activated, ops.silu_mul(product))
+    gate, up = product.double().chunk(2, dim=1)
+    torch.testing.assert_close(activated.double(), F.silu(gate) * up, rtol=1e-2, atol=1e-3)
+
+
 def test_a_gate_up_the_kernel_cannot_fuse_keeps_silu_mul_apart(ops, avx2_ops):
     """A bias, a width that is no multiple of the vector's, or oneDNN: the product as before,
     and silu_mul after it."""

@@ -10,11 +10,12 @@ The AVX2 float32 kernel keeps 6 rows x 16 columns of sums in registers; on 2 cor
 AMD EPYC it beats oneDNN at every row count SmolLM2-135M's steps have (its four matmuls x 30
 and lm_head with cold weights, medians of interleaved rounds: 58-70 vs 82-95 ms at 32 rows,
 ~21 vs ~28 at 1; the four x 30 at 512 rows, prompt chunks: 782 vs 887 ms). The AVX512 one keeps
-12 rows x 32 columns (its numbers are in f32_linear.inc). An MLP's gate/up runs on it as
-linear_silu: gate and up rows packed interleaved, silu(gate) * up computed on the sums in
-registers (SmolLM2-135M in float32 on 2 Zen 4 cores, fused against unfused in turns, three
-runs: four 128-token prompts 604 vs 622, 590 vs 615, 552 vs 568 ms; a batch-32 decode step
-71.8 vs 75.4 ms in the first run, level in the other two)."""
+12 rows x 32 columns (its numbers are in f32_linear.inc). An MLP's gate/up runs on it (and on
+the bfloat16 dot-product kernel) as linear_silu: gate and up rows packed interleaved,
+silu(gate) * up computed on the sums in registers (SmolLM2-135M in float32 on 2 Zen 4 cores,
+fused against unfused in turns, three runs: four 128-token prompts 604 vs 622, 590 vs 615,
+552 vs 568 ms; a batch-32 decode step 71.8 vs 75.4 ms in the first run, level in the other
+two; bfloat16, its 30 gate/up matmuls alone at 512 rows: x0.95)."""
 
 from __future__ import annotations
 
@@ -46,8 +47,12 @@ class MatmulKernels:
         self.has_f32: bool = self.f32_lanes > 0
         bf16_linear = library.amx_linear_bf16 if self.has_amx else library.bf16_dot_linear
         self._linears = {torch.bfloat16: bf16_linear, torch.float32: library.f32_linear}
-        self._linear_silu = library.f32_linear_silu
-        for function in (*self._linears.values(), self._linear_silu):
+        # gate/up with silu_mul: float32's kernel, and bfloat16's dot-product one
+        self._linear_silus = {
+            torch.float32: library.f32_linear_silu,
+            torch.bfloat16: library.bf16_dot_linear_silu,
+        }
+        for function in (*self._linears.values(), *self._linear_silus.values()):
             function.argtypes = _LINEAR
             function.restype = None
         self._amx_unpack = library.amx_unpack_bf16
@@ -82,29 +87,33 @@ class MatmulKernels:
         padded = F.pad(weight, (0, 0, 0, -n % 32))
         return padded.view(-1, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
+    def gate_up_lanes(self, dtype: torch.dtype) -> int:
+        """Gate (and up) columns of one block of the fused gate/up in `dtype`: a float32
+        vector (8 on AVX2, 16 on AVX512), a bfloat16 panel (16); 0 where none fuses them (the
+        AMX kernel, oneDNN)."""
+        if dtype == torch.float32:
+            return self.f32_lanes
+        return 16 if dtype == torch.bfloat16 and self.has_bf16_dot else 0
+
     def interleave_gate_up(self, weight: torch.Tensor) -> torch.Tensor:
         """`weight` [2 * width, k], the gate's rows then the up's, with their rows interleaved
-        a vector's width at a time (gate 0-7, up 0-7, gate 8-15, ... on AVX2): the layout whose
+        gate_up_lanes at a time (gate 0-7, up 0-7, gate 8-15, ... on AVX2): the layout whose
         packing linear_silu takes, each block's sums then holding a gate and its up."""
-        lanes = self.f32_lanes
+        lanes = self.gate_up_lanes(weight.dtype)
         gate, up = weight.view(2, -1, lanes, weight.shape[1]).unbind(0)
         return torch.stack([gate, up], dim=1).reshape(weight.shape)
 
     def deinterleave_gate_up(self, out: torch.Tensor) -> torch.Tensor:
         """The product [num_rows, 2 * width] of an interleave_gate_up weight as [gate | up]."""
-        halves = out.view(out.shape[0], -1, 2, self.f32_lanes).transpose(1, 2)
+        halves = out.view(out.shape[0], -1, 2, self.gate_up_lanes(out.dtype)).transpose(1, 2)
         return halves.reshape(out.shape)
 
     def takes_gate_up(self, weight: torch.Tensor, has_bias: bool) -> bool:
-        """Whether linear_silu takes this gate/up weight [2 * width, k]: float32 on the float32
-        kernel, no bias, width a multiple of the vector width."""
-        width = weight.shape[0] // 2
-        return (
-            self.takes(weight)
-            and weight.dtype == torch.float32
-            and not has_bias
-            and (width % self.f32_lanes == 0 and weight.shape[0] % 2 == 0)
-        )
+        """Whether linear_silu takes this gate/up weight [2 * width, k]: on the float32 kernel
+        or the bfloat16 dot-product one, no bias, width a multiple of gate_up_lanes."""
+        lanes = self.gate_up_lanes(weight.dtype)
+        width, odd = divmod(weight.shape[0], 2)
+        return self.takes(weight) and lanes > 0 and not has_bias and not odd and width % lanes == 0
 
     def linear_silu(self, x: torch.Tensor, packed: torch.Tensor, width: int) -> torch.Tensor:
         """silu(gate) * up of x's gate/up product, with `packed` = pack(interleave_gate_up(W)).
@@ -113,7 +122,7 @@ class MatmulKernels:
             x = x.contiguous()
         num_rows, k = x.shape
         out = x.new_empty(num_rows, width)
-        self._linear_silu(
+        self._linear_silus[x.dtype](
             x.data_ptr(),
             x.stride(0),
             packed.data_ptr(),
