@@ -124,11 +124,34 @@ def sample_one(
     )
 
 
+def _rows_of(
+    logits: torch.Tensor, rows: list[int], ruled_out: dict[int, torch.Tensor]
+) -> torch.Tensor:
+    """`rows` of `logits`, in order, each row in `ruled_out` with its grammar's forbidden
+    tokens masked. The first rows, none masked, are read in place (a copy of a batch-32
+    decode's 32 x 49152 floats took ~1 ms on 2 cores); otherwise a copy, masked in place."""
+    if not ruled_out and rows[-1] == len(rows) - 1:
+        return logits[: len(rows)]
+    chosen = logits[rows]
+    for n, i in enumerate(rows):
+        if i in ruled_out:
+            chosen[n].masked_fill_(ruled_out[i], float("-inf"))
+    return chosen
+
+
 def sample_greedy_batch(
-    logits: torch.Tensor, top_n_tokens: list[int], ops: CpuKernels | None = None
+    logits: torch.Tensor,
+    top_n_tokens: list[int],
+    ops: CpuKernels | None = None,
+    rows: list[int] | None = None,
+    ruled_out: dict[int, torch.Tensor] | None = None,
 ) -> list[Sampled]:
     """Greedy tokens for rows that need no penalty: one argmax for all, on the CPU kernels
-    when given (`ops`: None with --disable-cpu-kernels or off the CPU). [num_rows, vocab]"""
+    when given (`ops`: None with --disable-cpu-kernels or off the CPU). [num_rows, vocab];
+    `rows`: only those rows (non-empty, ascending), `ruled_out`: row -> the tokens its grammar
+    forbids."""
+    if rows is not None:
+        logits = _rows_of(logits, rows, ruled_out or {})
     if ops is not None and ops.supports(logits.dtype) and logits.is_contiguous():
         token_ids, chosen_logprobs = ops.greedy(logits)  # one read of each row, no float copy
     else:

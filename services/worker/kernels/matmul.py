@@ -118,23 +118,7 @@ class MatmulKernels:
     def linear_silu(self, x: torch.Tensor, packed: torch.Tensor, width: int) -> torch.Tensor:
         """silu(gate) * up of x's gate/up product, with `packed` = pack(interleave_gate_up(W)).
         [num_rows, k] -> [num_rows, width]"""
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        num_rows, k = x.shape
-        out = x.new_empty(num_rows, width)
-        self._linear_silus[x.dtype](
-            x.data_ptr(),
-            x.stride(0),
-            packed.data_ptr(),
-            None,
-            out.data_ptr(),
-            width,
-            num_rows,
-            2 * width,
-            k,
-            torch.get_num_threads(),
-        )
-        return out
+        return self._run(self._linear_silus[x.dtype], x, packed, None, 2 * width, width)
 
     def unpack(self, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
         """The bfloat16 weight [n, k] that pack() packed."""
@@ -150,17 +134,29 @@ class MatmulKernels:
         n: int,
     ) -> torch.Tensor:
         """x W^T (+ bias) on the kernel for x's dtype. [num_rows, n]"""
+        return self._run(self._linears[x.dtype], x, packed, bias, n, n)
+
+    @staticmethod
+    def _run(
+        function: Any,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+        n: int,  # the packed weight's output columns
+        width: int,  # out's columns: n, or n / 2 where silu(gate) * up is computed
+    ) -> torch.Tensor:
+        """One call of a matmul kernel of the _LINEAR signature."""
         if x.stride(1) != 1:  # the kernels step through a row's inputs one element apart
             x = x.contiguous()
         num_rows, k = x.shape
-        out = x.new_empty(num_rows, n)
-        self._linears[x.dtype](
+        out = x.new_empty(num_rows, width)
+        function(
             x.data_ptr(),
             x.stride(0),
             packed.data_ptr(),
             None if bias is None else bias.data_ptr(),
             out.data_ptr(),
-            n,
+            width,
             num_rows,
             n,
             k,
