@@ -9,8 +9,9 @@ first, on the same inputs: on a host whose speed drifts by 10% from one minute t
 two builds timed in turns drift together, where runs one after the other do not. Prints each
 build's median time and its ratio to the first's, after checking that the outputs agree.
 
-- matmul: SmolLM2-135M's four packed matmuls of 30 layers (cold weights) and lm_head, at
-  each row count of --rows, --dtype float32 or bfloat16 (where a bfloat16 kernel is built);
+- matmul: SmolLM2-135M's four packed matmuls of 30 layers (cold weights, on huge pages as the
+  worker keeps them) and lm_head, at each row count of --rows, --dtype float32 or bfloat16
+  (where a bfloat16 kernel is built);
 - attention: a decode step's paged attention over 30 layers' caches (--batch requests of
   --keys keys, blocks scattered), --dtype float32 or bfloat16; with --queries N, each
   request's last N keys are its queries (a prompt chunk: --batch 4 --keys 128 --queries 128).
@@ -29,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from services.worker import kernels
+from services.worker import huge_pages, kernels
+from services.worker.huge_pages import HugePageArena
 from services.worker.kernels.matmul import MatmulKernels
 
 LAYERS, HIDDEN, VOCAB = 30, 576, 49152
@@ -54,9 +56,10 @@ def matmul_runs(
     builds: list[kernels.CpuKernels], rows: int, dtype: torch.dtype
 ) -> list[Callable[[], torch.Tensor]]:
     packer = builds[0].matmul  # one packed layout for every build
+    arena = HugePageArena()  # on huge pages, as the worker keeps them (packed_linear.WEIGHTS)
 
     def packed(n: int, k: int) -> tuple[torch.Tensor, int, int]:
-        return packer.pack((torch.randn(n, k) * 0.02).to(dtype)), n, k
+        return arena.keep(packer.pack((torch.randn(n, k) * 0.02).to(dtype))), n, k
 
     weights = [[packed(n, k) for n, k in MATMULS] for _ in range(LAYERS)]
     weights.append([packed(VOCAB, HIDDEN)])
@@ -76,8 +79,13 @@ def attention_runs(
 ) -> list[Callable[[], torch.Tensor]]:
     blocks_per_request = -(-keys // BLOCK)
     slots = batch * blocks_per_request * BLOCK
-    caches = [
-        tuple(torch.randn(slots, KV_HEADS, HEAD_DIM).to(dtype) for _ in range(2))
+    caches = [  # on huge pages, as the worker allocates them (huge_pages.allocate)
+        tuple(
+            huge_pages.allocate((slots, KV_HEADS, HEAD_DIM), dtype, torch.device("cpu")).copy_(
+                torch.randn(slots, KV_HEADS, HEAD_DIM)
+            )
+            for _ in range(2)
+        )
         for _ in range(LAYERS)
     ]
     tables = torch.randperm(batch * blocks_per_request).view(batch, -1).contiguous()

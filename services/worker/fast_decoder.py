@@ -42,8 +42,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from services.worker import dense_prefill, kernels, packed_linear
+from services.worker import dense_prefill, huge_pages, kernels, packed_linear
 from services.worker.dense_prefill import AttentionSplit, attend_dense
+from services.worker.huge_pages import HugePageArena
 from services.worker.kv_cache import PagedKVCache
 from services.worker.lora import LoraOp, LoraSet
 from services.worker.packed_linear import PackedLinear, pack
@@ -152,12 +153,16 @@ class FastDecoder:
         # the matmuls LoRA adapters may add to, by the module names PEFT gives their parts
         self.lora_ops: dict[str, LoraOp] = {}
         self.lora: LoraSet | None = None  # the worker's adapters, once attached
+        # the packed weights of textgen's own matmuls, on huge pages: a decode step streams them
+        self.arena = HugePageArena()
         self.layers = [
             self._layer(index, layer, config) for index, layer in enumerate(decoder.layers)
         ]
         # long prompt chunks attend with torch's fused attention where it is the faster
         self.dense_min_keys = dense_prefill.min_keys(ops.level, self.embed.dtype)
-        self.lm_head = PackedLinear(model.get_output_embeddings().weight.detach(), ops=ops)
+        self.lm_head = PackedLinear(
+            model.get_output_embeddings().weight.detach(), ops=ops, arena=self.arena
+        )
         head = model.get_output_embeddings()
         if head.weight.data_ptr() != self.embed.data_ptr():  # untied: release the copy
             head.weight = torch.nn.Parameter(head.weight.new_empty(0), requires_grad=False)
@@ -234,13 +239,14 @@ class FastDecoder:
             window = attention.sliding_window
         else:  # Mistral's attention reads it from the config
             window = getattr(config, "sliding_window", None)
+        arena = self.arena
         return Layer(
             input_norm=layer.input_layernorm.weight.detach(),
-            qkv=pack(self.ops, attention.q_proj, attention.k_proj, attention.v_proj),
-            o=pack(self.ops, attention.o_proj),
+            qkv=pack(self.ops, attention.q_proj, attention.k_proj, attention.v_proj, arena=arena),
+            o=pack(self.ops, attention.o_proj, arena=arena),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=pack(self.ops, mlp.gate_proj, mlp.up_proj, gated=True),
-            down=pack(self.ops, mlp.down_proj),
+            gate_up=pack(self.ops, mlp.gate_proj, mlp.up_proj, gated=True, arena=arena),
+            down=pack(self.ops, mlp.down_proj, arena=arena),
             sliding_window=window,
             scaling=attention.scaling,
         )
@@ -313,10 +319,14 @@ def build(
     for layer in decoder.layers:
         linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
     kinds = Counter(linear.kind for linear in linears)
+    granted = huge_pages.granted_bytes()
     log.info(
-        "fast CPU decoder: %d layers, %s, matmuls on packed weights (%s)",
+        "fast CPU decoder: %d layers, %s, matmuls on packed weights (%s); %.0f MiB of them "
+        "advised onto huge pages, %s MiB of the process's memory on huge pages",
         len(decoder.layers),
         model.dtype,
         ", ".join(f"{kind} {count}" for kind, count in sorted(kinds.items())),
+        decoder.arena.advised_bytes / 2**20,
+        "?" if granted is None else f"{granted / 2**20:.0f}",
     )
     return decoder

@@ -7,49 +7,18 @@ block tables say (see services/scheduler/block_manager.py for the picture).
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
-import sys
 from dataclasses import dataclass
 
 import torch
+
+from services.worker import huge_pages
 
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_SHARE = 0.2  # of available RAM for the cache when no budget is given
 CPU_DEFAULT_CAP = 2 << 30  # bytes
 CUDA_DEFAULT_SHARE = 0.9  # of free device memory after loading the weights
-HUGE_PAGE = 2 << 20  # bytes of an x86-64 / arm64 transparent huge page
-MADV_HUGEPAGE = 14  # <sys/mman.h>
-
-
-@functools.cache
-def _madvise():
-    """libc's madvise on Linux, else None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return function
-
-
-def _allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor; on the CPU, backed by transparent huge pages where the kernel grants
-    them (asked before the first write). Attention reads blocks scattered over the cache: with
-    4 KiB pages nearly every block costs a TLB miss (decode attention 14% slower)."""
-    tensor = torch.empty(shape, dtype=dtype, device=device)
-    madvise = _madvise() if device.type == "cpu" else None
-    if madvise is not None:
-        start = tensor.data_ptr()
-        first = -(-start // HUGE_PAGE) * HUGE_PAGE
-        last = (start + tensor.numel() * tensor.element_size()) // HUGE_PAGE * HUGE_PAGE
-        if last > first:
-            madvise(first, last - first, MADV_HUGEPAGE)  # advice: a refusal changes nothing
-    return tensor.zero_()
 
 
 @dataclass(frozen=True)
@@ -112,8 +81,12 @@ class PagedKVCache:
         num_slots = (num_blocks + spare_blocks) * block_size if allocate else 0
         # per layer: [num_slots, num_kv_heads, head_dim]
         layer_shape = (num_slots, shape.num_kv_heads, shape.head_dim)
-        self.keys = [_allocate(layer_shape, shape.dtype, device) for _ in range(shape.num_layers)]
-        self.values = [_allocate(layer_shape, shape.dtype, device) for _ in range(shape.num_layers)]
+        self.keys = [
+            huge_pages.allocate(layer_shape, shape.dtype, device) for _ in range(shape.num_layers)
+        ]
+        self.values = [
+            huge_pages.allocate(layer_shape, shape.dtype, device) for _ in range(shape.num_layers)
+        ]
         log.info(
             "KV cache: %d blocks x %d tokens, %.1f MiB on %s%s",
             num_blocks,

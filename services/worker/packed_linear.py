@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from services.worker import kernels
+from services.worker.huge_pages import HugePageArena
 
 # rows up to which the AMX kernel beats oneDNN (SmolLM2-135M's four matmuls on 2 cores, bfloat16:
 # 9.5 vs 14.5 ms at 32 rows, 75 vs 103 at 512, 245 vs 168 at 2048); longer prompt chunks
@@ -43,6 +44,7 @@ class PackedLinear:
         bias: torch.Tensor | None = None,  # [out_features]
         ops: kernels.CpuKernels | None = None,  # the CPU kernels, for their matmuls
         gated: bool = False,  # weight is [gate; up] of an MLP (silu_mul may follow it)
+        arena: HugePageArena | None = None,  # where the own kernels' packing goes (huge pages)
     ) -> None:
         if not supports(weight.dtype):
             raise ValueError(f"oneDNN cannot run {weight.dtype} matmuls on this CPU")
@@ -56,11 +58,12 @@ class PackedLinear:
         self.fuses_silu = (
             gated and self.own is not None and self.own.takes_gate_up(weight, bias is not None)
         )
-        if self.fuses_silu:
-            assert self.own is not None
-            self.packed = self.own.pack(self.own.interleave_gate_up(weight.contiguous()))
-        elif self.own is not None:
-            self.packed = self.own.pack(weight.contiguous())
+        if self.own is not None:
+            rows = weight.contiguous()
+            if self.fuses_silu:
+                rows = self.own.interleave_gate_up(rows)
+            packed = self.own.pack(rows)
+            self.packed = arena.keep(packed) if arena is not None else packed
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
         # whether prompt chunks past AMX_MAX_ROWS go to oneDNN (the other own kernels beat it
@@ -107,12 +110,15 @@ def _concat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
 
 
 def pack(
-    ops: kernels.CpuKernels | None, *linears: torch.nn.Linear, gated: bool = False
+    ops: kernels.CpuKernels | None,
+    *linears: torch.nn.Linear,
+    gated: bool = False,
+    arena: HugePageArena | None = None,
 ) -> PackedLinear:
     """One packed matmul for linears that read the same input (`gated`: an MLP's gate and
     up); their weights are released."""
     weight = torch.cat([linear.weight.detach() for linear in linears])
-    packed = PackedLinear(weight, _concat_bias(*linears), ops, gated=gated)
+    packed = PackedLinear(weight, _concat_bias(*linears), ops, gated=gated, arena=arena)
     for linear in linears:
         linear.weight = torch.nn.Parameter(linear.weight.new_empty(0), requires_grad=False)
     return packed

@@ -1,0 +1,110 @@
+"""CPU memory that the kernels stream on transparent huge pages: the KV cache and the packed
+weights.
+
+A decode step reads every packed weight once and the KV cache's blocks scattered. On 4 KiB
+pages nearly every 4 KiB costs a TLB miss, and the CPU's prefetchers stop at each page's end.
+Memory here is advised MADV_HUGEPAGE before its first write, so that the kernel backs it with
+2 MiB pages where it can (THP "always" or "madvise"; with "never" the advice changes nothing).
+
+Measured on 2 AMD Zen 4 cores (AVX512-BF16), SmolLM2-135M's 30 layers' packed matmuls and
+lm_head, weights cold, timed in turns in one process: bfloat16 11.6 -> 9.9 ms at 1
+row, 31.3 -> 29.2 at 32 rows, 410 -> 408 at 512; float32 57.4 -> 54.1 ms at 32 rows. The
+KV cache's decode attention ran 14% slower on 4 KiB pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import sys
+
+import torch
+
+log = logging.getLogger(__name__)
+HUGE_PAGE = 2 << 20  # bytes of an x86-64 / arm64 transparent huge page
+MADV_HUGEPAGE = 14  # <sys/mman.h>
+CHUNK_BYTES = 32 << 20  # an arena's chunk: the packed weights of several layers
+ALIGN = 64  # bytes: each kept tensor starts on a cache line
+
+
+@functools.cache
+def _madvise():
+    """libc's madvise on Linux, else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return function
+
+
+def _advise(tensor: torch.Tensor) -> int:
+    """Ask for huge pages over the whole 2 MiB pages inside `tensor`'s memory; the bytes
+    advised (0: none fit, or not Linux). Call it before the first write."""
+    madvise = _madvise() if tensor.device.type == "cpu" else None
+    if madvise is None:
+        return 0
+    start = tensor.data_ptr()
+    first = -(-start // HUGE_PAGE) * HUGE_PAGE
+    last = (start + tensor.numel() * tensor.element_size()) // HUGE_PAGE * HUGE_PAGE
+    if last <= first:
+        return 0
+    madvise(first, last - first, MADV_HUGEPAGE)  # advice: a refusal changes nothing
+    return last - first
+
+
+def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor; on the CPU, backed by huge pages where the kernel grants them."""
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    _advise(tensor)
+    return tensor.zero_()
+
+
+class HugePageArena:
+    """Copies of CPU tensors, laid one after the other in huge-page chunks of CHUNK_BYTES (a
+    tensor larger than that gets a chunk of its own). Kept for the process's life: packed
+    weights are never freed."""
+
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._chunk: torch.Tensor | None = None  # the chunk being filled (uint8)
+        self._used = 0  # its bytes taken
+        self.num_bytes = 0  # bytes of the tensors kept
+        self.advised_bytes = 0  # bytes of the chunks advised MADV_HUGEPAGE
+
+    def keep(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A contiguous copy of CPU tensor `tensor` in the arena (tensor itself elsewhere)."""
+        if tensor.device.type != "cpu":
+            return tensor
+        nbytes = tensor.numel() * tensor.element_size()
+        start = -(-self._used // ALIGN) * ALIGN
+        if self._chunk is None or start + nbytes > self._chunk.numel():
+            self._chunk, start = self._new_chunk(nbytes), 0
+        self._used = start + nbytes
+        self.num_bytes += nbytes
+        view = self._chunk[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
+        return view.copy_(tensor)
+
+    def _new_chunk(self, nbytes: int) -> torch.Tensor:
+        """Zeroed, starting on a huge page (memory from a fresh mmap, untouched until now)."""
+        size = max(nbytes, self.chunk_bytes)
+        raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
+        offset = -raw.data_ptr() % HUGE_PAGE
+        chunk = raw[offset : offset + size]
+        self.advised_bytes += _advise(chunk)
+        return chunk.zero_()
+
+
+def granted_bytes() -> int | None:
+    """This process's anonymous memory on huge pages (AnonHugePages), None where unknown."""
+    try:
+        with open("/proc/self/smaps_rollup") as rollup:
+            for line in rollup:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
