@@ -6,10 +6,12 @@ pages nearly every 4 KiB costs a TLB miss, and the CPU's prefetchers stop at eac
 Memory here is advised MADV_HUGEPAGE before its first write, so that the kernel backs it with
 2 MiB pages where it can (THP "always" or "madvise"; with "never" the advice changes nothing).
 
-Measured on 2 AMD Zen 4 cores (AVX512-BF16), SmolLM2-135M's 30 layers' packed matmuls and
-lm_head, weights cold, timed in turns in one process: bfloat16 11.6 -> 9.9 ms at 1
-row, 31.3 -> 29.2 at 32 rows, 410 -> 408 at 512; float32 57.4 -> 54.1 ms at 32 rows. The
-KV cache's decode attention ran 14% slower on 4 KiB pages.
+Measured on 2 AMD Zen 4 cores (AVX512-BF16), timed in turns in one process:
+- SmolLM2-135M's 30 layers' packed matmuls and lm_head alone, weights cold: x0.94-0.95 at 1
+  and 32 rows in bfloat16 (x0.84 and x0.96 in float32), level at 512 rows;
+- whole in-process steps of the random SmolLM2-135M, two engines side by side: a batch-32
+  decode step x0.96-0.99 in bfloat16 (x0.97-1.00 in float32), a 512-token prompt step level.
+The KV cache's decode attention ran 14% slower on 4 KiB pages.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ log = logging.getLogger(__name__)
 HUGE_PAGE = 2 << 20  # bytes of an x86-64 / arm64 transparent huge page
 MADV_HUGEPAGE = 14  # <sys/mman.h>
 CHUNK_BYTES = 32 << 20  # an arena's chunk: the packed weights of several layers
-ALIGN = 64  # bytes: each kept tensor starts on a cache line
+# bytes: each kept tensor starts on a 4 KiB page (at 64, a bfloat16 prompt step ran 1-2% slower)
+ALIGN = 4096
 
 
 @functools.cache
