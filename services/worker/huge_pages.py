@@ -92,13 +92,15 @@ class HugePageArena:
         return view.copy_(tensor)
 
     def _new_chunk(self, nbytes: int) -> torch.Tensor:
-        """Zeroed, starting on a huge page (memory from a fresh mmap, untouched until now)."""
+        """Starting on a huge page; memory from a fresh mmap, left untouched: only the pages
+        that copies land on become resident (a small model's arena holds a page, not a
+        chunk)."""
         size = max(nbytes, self.chunk_bytes)
         raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
         offset = -raw.data_ptr() % HUGE_PAGE
         chunk = raw[offset : offset + size]
         self.advised_bytes += _advise(chunk)
-        return chunk.zero_()
+        return chunk
 
 
 def granted_bytes() -> int | None:
