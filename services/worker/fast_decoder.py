@@ -321,11 +321,12 @@ def build(
     kinds = Counter(linear.kind for linear in linears)
     granted = huge_pages.granted_bytes()
     log.info(
-        "fast CPU decoder: %d layers, %s, matmuls on packed weights (%s); %.0f MiB of them "
-        "advised onto huge pages, %s MiB of the process's memory on huge pages",
+        "fast CPU decoder: %d layers, %s, matmuls on packed weights (%s); %.0f MiB of them in "
+        "chunks advised onto huge pages (%.0f MiB), %s MiB of the process's memory on huge pages",
         len(decoder.layers),
         model.dtype,
         ", ".join(f"{kind} {count}" for kind, count in sorted(kinds.items())),
+        decoder.arena.num_bytes / 2**20,
         decoder.arena.advised_bytes / 2**20,
         "?" if granted is None else f"{granted / 2**20:.0f}",
     )
