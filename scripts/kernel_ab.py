@@ -1,5 +1,5 @@
 """Two or more builds of the CPU kernels, timed in turns in one process:
-`python scripts/kernel_ab.py {matmul,attention} VARIANT VARIANT ...`.
+`python scripts/kernel_ab.py {matmul,attention,engine} VARIANT VARIANT ...`.
 
 A VARIANT is a folder holding the kernels' sources (services/worker/kernels, or a copy with
 a change), then any extra compiler flags, in one argument: "services/worker/kernels",
@@ -14,7 +14,11 @@ build's median time and its ratio to the first's, after checking that the output
   (where a bfloat16 kernel is built);
 - attention: a decode step's paged attention over 30 layers' caches (--batch requests of
   --keys keys, blocks scattered), --dtype float32 or bfloat16; with --queries N, each
-  request's last N keys are its queries (a prompt chunk: --batch 4 --keys 128 --queries 128).
+  request's last N keys are its queries (a prompt chunk: --batch 4 --keys 128 --queries 128);
+- engine: whole steps of the random SmolLM2-135M, one in-process Engine per build (its fast
+  decoder on that build's kernels), stepped in turns: --batch decodes of 128-token prompts,
+  then steps of four 128-token prompts (new ones each time); the check compares the prompt
+  steps' greedy tokens (of the decode steps, only how many were made).
 The commit messages of the kernels' changes quote its numbers."""
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -103,6 +108,49 @@ def attention_runs(
     return [lambda o=b: run(o) for b in builds]
 
 
+def engine_runs(
+    builds: list[kernels.CpuKernels], batch: int, rounds: int, dtype: torch.dtype
+) -> tuple[list[Callable[[], torch.Tensor]], list[Callable[[], torch.Tensor]]]:
+    """(a decode step of `batch` requests, a step of four prompts) per build: one Engine each,
+    its model loaded while the kernels' loader hands it that build."""
+    from services.bench.random_model import build_random_model
+    from services.engine.engine import Engine
+    from services.worker.loader import load_model
+
+    path = build_random_model("smollm2-135m")
+    engines = []
+    for ops in builds:
+        with mock.patch.object(kernels, "load", lambda ops=ops: ops):
+            loaded = load_model(str(path), dtype=str(dtype).removeprefix("torch."))
+        engines.append(Engine(loaded, compile=False))
+    # new prompts at every call (a cached prefix would skip their work), the same sequence of
+    # them for every engine
+    generators = [torch.Generator().manual_seed(0) for _ in engines]
+
+    def prompts(index: int, count: int) -> list[list[int]]:
+        return torch.randint(5, 49000, (count, 128), generator=generators[index]).tolist()
+
+    for index, engine in enumerate(engines):  # every request decoding from here on
+        for ids in prompts(index, batch):
+            engine.add(ids, rounds + 12)
+        for _ in range(-(-batch * 128 // 512) + 4):
+            engine.step()
+
+    def decode_step(engine: Engine) -> torch.Tensor:
+        engine.step()
+        return torch.tensor([engine.stats.num_generated_tokens])
+
+    def prompt_step(index: int) -> torch.Tensor:
+        engine = engines[index]
+        engine.run()  # the decodes' last tokens, at the first call
+        return torch.tensor([out.token_ids for out in engine.generate(prompts(index, 4), 1)])
+
+    return (
+        [lambda e=e: decode_step(e) for e in engines],
+        [lambda i=i: prompt_step(i) for i in range(len(engines))],
+    )
+
+
 def compare(title: str, variants: list[str], runs: list[Callable], rounds: int) -> None:
     outputs = [run().float() for run in runs]
     for variant, output in zip(variants[1:], outputs[1:]):
@@ -126,10 +174,10 @@ def compare(title: str, variants: list[str], runs: list[Callable], rounds: int) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kernel", choices=["matmul", "attention"])
+    parser.add_argument("kernel", choices=["matmul", "attention", "engine"])
     parser.add_argument("variants", nargs="+", help='a sources folder and flags: "DIR -DX=1"')
     parser.add_argument("--rows", default="1,16,32", help="matmul: row counts")
-    parser.add_argument("--batch", type=int, default=32, help="attention: requests")
+    parser.add_argument("--batch", type=int, default=32, help="attention, engine: requests")
     parser.add_argument("--keys", type=int, default=160, help="attention: keys per request")
     parser.add_argument("--queries", type=int, default=1, help="attention: queries per request")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -143,6 +191,10 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             runs = matmul_runs(builds, rows, dtype)
             compare(f"{rows} rows", args.variants, runs, args.rounds)
+    elif args.kernel == "engine":
+        decodes, prompts = engine_runs(builds, args.batch, args.rounds, dtype)
+        compare(f"decode step, batch {args.batch}", args.variants, decodes, args.rounds)
+        compare("step of four 128-token prompts", args.variants, prompts, args.rounds)
     else:
         runs = attention_runs(builds, args.batch, args.keys, args.queries, dtype)
         title = f"{args.batch}x{args.queries}x{args.keys} queries x keys"
