@@ -44,7 +44,6 @@ import torch.nn.functional as F
 
 from services.worker import dense_prefill, huge_pages, kernels, packed_linear
 from services.worker.dense_prefill import AttentionSplit, attend_dense
-from services.worker.huge_pages import HugePageArena
 from services.worker.kv_cache import PagedKVCache
 from services.worker.lora import LoraOp, LoraSet
 from services.worker.packed_linear import PackedLinear, pack
@@ -154,7 +153,7 @@ class FastDecoder:
         self.lora_ops: dict[str, LoraOp] = {}
         self.lora: LoraSet | None = None  # the worker's adapters, once attached
         # the packed weights of textgen's own matmuls, on huge pages: a decode step streams them
-        self.arena = HugePageArena()
+        self.arena = huge_pages.HugePageArena()
         self.layers = [
             self._layer(index, layer, config) for index, layer in enumerate(decoder.layers)
         ]

@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import sys
 
 import torch
 
-log = logging.getLogger(__name__)
 HUGE_PAGE = 2 << 20  # bytes of an x86-64 / arm64 transparent huge page
 MADV_HUGEPAGE = 14  # <sys/mman.h>
 CHUNK_BYTES = 32 << 20  # an arena's chunk: the packed weights of several layers
@@ -68,8 +66,8 @@ def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -
 
 class HugePageArena:
     """Copies of CPU tensors, laid one after the other in huge-page chunks of CHUNK_BYTES (a
-    tensor larger than that gets a chunk of its own). Kept for the process's life: packed
-    weights are never freed."""
+    tensor larger than that gets a chunk of its own). Nothing is freed one by one: the chunks
+    go with the arena and the last copy (a fast decoder owns the arena of its weights)."""
 
     def __init__(self, chunk_bytes: int = CHUNK_BYTES) -> None:
         self.chunk_bytes = chunk_bytes
@@ -79,7 +77,7 @@ class HugePageArena:
         self.advised_bytes = 0  # bytes of the chunks advised MADV_HUGEPAGE
 
     def keep(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A contiguous copy of CPU tensor `tensor` in the arena (tensor itself elsewhere)."""
+        """A contiguous copy of CPU tensor `tensor` in the arena; any other tensor as it is."""
         if tensor.device.type != "cpu":
             return tensor
         nbytes = tensor.numel() * tensor.element_size()
@@ -92,9 +90,10 @@ class HugePageArena:
         return view.copy_(tensor)
 
     def _new_chunk(self, nbytes: int) -> torch.Tensor:
-        """Starting on a huge page; memory from a fresh mmap, left untouched: only the pages
-        that copies land on become resident (a small model's arena holds a page, not a
-        chunk)."""
+        """Starting on a huge page, left untouched: only the pages that copies land on become
+        resident (a small model's arena holds a page, not a chunk). At CHUNK_BYTES and above,
+        past glibc's largest mmap threshold (32 MiB), the memory is a fresh mmap, so no page of
+        it was touched before the advice."""
         size = max(nbytes, self.chunk_bytes)
         raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
         offset = -raw.data_ptr() % HUGE_PAGE
