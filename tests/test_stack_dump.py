@@ -60,3 +60,51 @@ def test_sigusr1_dumps_threads_and_tasks_and_the_service_goes_on(loop):
     assert child.returncode == 0 and out == "result stop\n", err
     assert "in compute" in "".join(dump)  # the thread, where it waits
     assert where.rstrip().endswith("in beat"), where  # the task, where it waits
+
+
+CHURN = """
+import asyncio, sys, threading
+from shared.aio import run
+
+def churn():  # threads that start, call and end without a pause: frames come and go
+    def nest(depth):
+        return 0 if depth == 0 else nest(depth - 1)
+    while True:
+        thread = threading.Thread(target=nest, args=(50,))
+        thread.start()
+        thread.join()
+
+async def main():
+    threading.Thread(target=churn, daemon=True).start()
+    print("ready", flush=True)
+    return (await asyncio.to_thread(sys.stdin.readline)).strip()
+
+print("result", run(main()), flush=True)
+"""
+
+
+def test_dumps_while_threads_come_and_go_leave_the_service_up():
+    """Stacks are read while other threads run, start and end: 100 dumps in a row, each
+    whole, and the service still answers (faulthandler's dump, reading running threads'
+    frames, died here within a few dozen)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHURN],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        assert child.stderr is not None
+        for _ in range(100):
+            child.send_signal(signal.SIGUSR1)
+            dump = []
+            while not dump or "name='Task-1'" not in dump[-1]:  # the one task (main's) comes last
+                dump.append(child.stderr.readline())
+                assert dump[-1], f"the service died ({child.wait(10)}): {''.join(dump)}"
+        out, err = child.communicate("stop\n", timeout=30)
+    finally:
+        child.kill()
+    assert child.returncode == 0 and out == "result stop\n", err
