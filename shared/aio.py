@@ -30,11 +30,15 @@ log = logging.getLogger(__name__)
 DUMP_SIGNAL = signal.SIGUSR1  # the signal that dumps the stacks
 
 
-def format_stacks() -> str:
-    """Every thread's stack, then every task's of the loop running in this thread (if any)."""
+def format_stacks(interrupted: FrameType | None = None) -> str:
+    """Every thread's stack, then every task's of the loop running in this thread (if any).
+    This thread's stack ends at `interrupted` where given (a signal handler's frame)."""
     names = {thread.ident: thread.name for thread in threading.enumerate()}
+    frames = sys._current_frames()
+    if interrupted is not None:
+        frames[threading.get_ident()] = interrupted
     out = io.StringIO()
-    for ident, frame in sys._current_frames().items():
+    for ident, frame in frames.items():
         name = names.get(ident, "not a threading.Thread")
         out.write(f"Thread {ident:#x} {name!r} (most recent call last):\n")
         traceback.print_stack(frame, file=out)
@@ -52,7 +56,7 @@ def dump_stacks(signum: int = DUMP_SIGNAL, frame: FrameType | None = None) -> No
     sys.stderr, which the interrupted code may be writing to). It never raises into the code
     it interrupted."""
     try:
-        data = format_stacks().encode(errors="replace")
+        data = format_stacks(frame).encode(errors="replace")
         while data:
             data = data[os.write(sys.stderr.fileno(), data) :]
     except Exception:  # a closed stderr, say: the dump is lost, the service goes on
