@@ -35,24 +35,37 @@ print("result", run(main()), flush=True)
 """
 
 
-@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
-def test_sigusr1_dumps_threads_and_tasks_and_the_service_goes_on(loop):
+def started(script: str, *args: str) -> subprocess.Popen:
+    """`script` run by Python, once it printed "ready"."""
     child = subprocess.Popen(
-        [sys.executable, "-c", SERVICE, loop],
+        [sys.executable, "-c", script, *args],
         cwd=REPO,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+    assert child.stdout is not None and child.stdout.readline() == "ready\n"
+    return child
+
+
+def dump_of(child: subprocess.Popen, last: str) -> list[str]:
+    """SIGUSR1 to `child`: its stderr's lines up to the one holding `last`."""
+    assert child.stderr is not None
+    child.send_signal(signal.SIGUSR1)
+    dump: list[str] = []
+    while not dump or last not in dump[-1]:
+        dump.append(child.stderr.readline())
+        assert dump[-1], f"the service died ({child.wait(10)}): {''.join(dump)}"
+    return dump
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_sigusr1_dumps_threads_and_tasks_and_the_service_goes_on(loop):
+    child = started(SERVICE, loop)
     try:
-        assert child.stdout is not None and child.stdout.readline() == "ready\n"
-        child.send_signal(signal.SIGUSR1)
+        dump = dump_of(child, "name='heartbeat'")  # the tasks come last
         assert child.stderr is not None
-        dump = []
-        while not dump or "name='heartbeat'" not in dump[-1]:  # the tasks come last
-            dump.append(child.stderr.readline())
-            assert dump[-1], "".join(dump)
         where = child.stderr.readline()  # the task's frame (in any order among the tasks)
         out, err = child.communicate("stop\n", timeout=30)  # it still serves
     finally:
@@ -87,23 +100,10 @@ def test_dumps_while_threads_come_and_go_leave_the_service_up():
     """Stacks are read while other threads run, start and end: 100 dumps in a row, each
     whole, and the service still answers (faulthandler's dump, reading running threads'
     frames, died here within a few dozen)."""
-    child = subprocess.Popen(
-        [sys.executable, "-c", CHURN],
-        cwd=REPO,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    child = started(CHURN)
     try:
-        assert child.stdout is not None and child.stdout.readline() == "ready\n"
-        assert child.stderr is not None
         for _ in range(100):
-            child.send_signal(signal.SIGUSR1)
-            dump = []
-            while not dump or "name='Task-1'" not in dump[-1]:  # the one task (main's) comes last
-                dump.append(child.stderr.readline())
-                assert dump[-1], f"the service died ({child.wait(10)}): {''.join(dump)}"
+            dump_of(child, "name='Task-1'")  # the one task (main's) comes last
         out, err = child.communicate("stop\n", timeout=30)
     finally:
         child.kill()
