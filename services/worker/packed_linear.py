@@ -4,9 +4,12 @@ load for whichever matmul runs them fastest here.
 A bfloat16 decode step is bound by the stream of its weights: every one is read once per step.
 At decode batch sizes oneDNN's packed bfloat16 matmul streams them at ~16 GB/s on two cores
 that read 28 GB/s, so on CPUs with AMX textgen runs its own (services/worker/kernels/matmul.py,
-~21-25 GB/s). A float32 one is bound by its FMAs: on CPUs with AVX2, or AVX512 without AMX,
-textgen's own kernel reaches more of them than oneDNN's (same module). Elsewhere, and for K the AMX
-kernel does not take, oneDNN's matmul on its packed layout runs (bfloat16 and float32 matmuls
+~21-25 GB/s). A float32 one is bound by its FMAs on AVX2 and Zen 4 cores, where textgen's own
+kernel reaches more of them than oneDNN's (same module). AMX CPUs run float32 on that AVX512
+kernel too: with two 512-bit FMA units a core, their batch-32 float32 step is bound by the
+weights' stream instead, which the own kernel prefetches ahead of its FMAs and oneDNN's does not
+overlap (not yet measured on an AMX CPU). Below AVX2, and for K the AMX kernel does not take,
+oneDNN's matmul on its packed layout runs (bfloat16 and float32 matmuls
 otherwise re-pack the weight at every call, which costs as much as the product at small batch).
 
 Rounding: bfloat16 outputs equal F.linear's (on AMX up to 32 rows; past that a few in 10^4

@@ -74,9 +74,8 @@ def test_arena_chunks_and_the_kv_cache_are_advised_huge_pages():
 
 @pytest.fixture
 def own_dtype(ops) -> torch.dtype:
-    """A dtype that a matmul of textgen's own takes at this level: float32 on AVX2 and on
-    AVX512 without AMX, bfloat16 on AMX (below AVX2, and on an AMX CPU whose Linux withholds
-    the tiles, oneDNN packs every weight)."""
+    """A dtype that a matmul of textgen's own takes at this level: float32 from AVX2 up
+    (below AVX2 oneDNN packs every weight)."""
     for dtype in (torch.float32, torch.bfloat16):
         if ops.matmul.takes(torch.empty(8, 64, dtype=dtype)):
             return dtype

@@ -2,11 +2,11 @@
 whichever matmul this host gives them: AMX tiles for bfloat16 where the kernels were built for
 them (the amx level), AVX512-BF16 dot products for bfloat16 where they were built for those
 without the tiles (the avx512 level of a CPU with avx512_bf16: a Zen 4, or an AMX CPU capped
-to avx512), textgen's AVX2 kernel for float32 where they were built for the avx2
-level (an AVX2-only host, or ATEN_CPU_CAPABILITY=avx2; the float32 cases also run on a library
-built for that level on any host), oneDNN otherwise. oneDNN has no bfloat16 matmul on an
-AVX2-only CPU: there PackedLinear refuses bfloat16 weights (the fast decoder then declines the
-model) and the bfloat16 cases below do not apply."""
+to avx512), textgen's float32 kernel where they were built for AVX2 or AVX512 (the avx2 level,
+on an AVX2-only host or with ATEN_CPU_CAPABILITY=avx2, and the avx512 and amx levels; the
+float32 cases also run on a library built for the avx2 level on any host), oneDNN otherwise.
+oneDNN has no bfloat16 matmul on an AVX2-only CPU: there PackedLinear refuses bfloat16 weights
+(the fast decoder then declines the model) and the bfloat16 cases below do not apply."""
 
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ def test_the_own_matmuls_run_exactly_where_the_kernels_were_built_for_them(ops):
     assert ops.matmul.has_amx == (ops.level == "amx" and _linux_grants_tiles())
     # the amx level builds the tiles' kernel instead (granted or not)
     assert ops.matmul.has_bf16_dot == (ops.level == "avx512" and "avx512_bf16" in cpu_flags())
-    # float32: AVX2, or AVX512 where the tiles are not built
-    assert ops.matmul.has_f32 == (ops.level in ("avx2", "avx512"))
-    float32_kind = ops.level if ops.level in ("avx2", "avx512") else "onednn"
+    # float32: AVX2 or AVX512 (with the tiles' kernel beside it at the amx level)
+    assert ops.matmul.has_f32 == (ops.level in ("avx2", "avx512", "amx"))
+    float32_kind = {"avx2": "avx2", "avx512": "avx512", "amx": "avx512"}.get(ops.level, "onednn")
     assert PackedLinear(torch.zeros(64, 64), ops=ops).kind == float32_kind
     assert PackedLinear(torch.zeros(64, 64)).kind == "onednn"
     if not supports(torch.bfloat16):

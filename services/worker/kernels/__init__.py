@@ -52,7 +52,7 @@ CAPABILITY_ENV = "ATEN_CPU_CAPABILITY"  # PyTorch's name: one switch for torch a
 LEVELS = {"default": "x86-64-v2", "avx2": "x86-64-v3", "avx512": "native", "amx": "native"}
 # GCC vectorizes loops 256 bits wide on most AVX512 CPUs unless told: the element-wise kernels
 # then run ~20% slower in bfloat16 (silu_mul on 512 x 1536: 0.42 vs 0.55 ms). The avx512
-# level of an AMX CPU leaves the tiles out (amx_linear.inc: oneDNN then does the matmuls).
+# level of an AMX CPU leaves the tiles out (bfloat16 matmuls then run on AVX512-BF16 dots).
 WIDE = "-mprefer-vector-width=512"
 LEVEL_FLAGS = {"avx512": [WIDE, "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"], "amx": [WIDE]}
 BUILD_TIMEOUT_S = 120

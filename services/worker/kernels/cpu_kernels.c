@@ -34,10 +34,9 @@
 #define HAS_BF16_DOT_LINEAR 1
 #include <immintrin.h>
 #endif
-/* the float32 matmul (f32_linear.inc): AVX2 FMA, or AVX512F where AMX is not built (measured
- * on AMD Zen 4; on AMX CPUs oneDNN keeps float32) */
-#if (defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)) ||                          \
-    (defined(__AVX512F__) && !defined(__AMX_TILE__))
+/* the float32 matmul (f32_linear.inc): AVX2 FMA, or AVX512F where it is built (every level
+ * but the default one) */
+#if defined(__AVX2__) && defined(__FMA__)
 #define HAS_F32_LINEAR 1
 #include <immintrin.h>
 #include <omp.h>

@@ -2,9 +2,9 @@
 library was built for them (the amx level) and Linux grants the tile state, else on AVX512-BF16
 dot products (bf16_dot_linear.inc) where it was built for those (the avx512 level of a Zen 4,
 say); float32 on AVX2 FMA or AVX512F (f32_linear.inc), where it was built for AVX2 without
-AVX512 (the avx2 level) or AVX512 without AMX (the avx512 level). Each packs a weight once into
-its layout (the two bfloat16 kernels share one) and computes x W^T (+ bias). Elsewhere (float32
-on an AMX build) the caller keeps oneDNN (services/worker/packed_linear.py).
+AVX512 (the avx2 level) or AVX512 (the avx512 and amx levels). Each packs a weight once into
+its layout (the two bfloat16 kernels share one) and computes x W^T (+ bias). Elsewhere (the
+default level) the caller keeps oneDNN (services/worker/packed_linear.py).
 
 The AVX2 float32 kernel keeps 6 rows x 16 columns of sums in registers; on 2 cores of an AVX2
 AMD EPYC it beats oneDNN at every row count SmolLM2-135M's steps have (its four matmuls x 30
@@ -42,7 +42,7 @@ class MatmulKernels:
         self.has_amx: bool = bool(library.amx_ready())  # built for the tiles, and granted them
         # built for AVX512-BF16 without the tiles (the AMX kernel goes first where both are)
         self.has_bf16_dot: bool = not self.has_amx and bool(library.bf16_dot_ready())
-        # built for AVX2 without AVX512, or AVX512 without AMX: floats per vector (0: not built)
+        # built for AVX2 or AVX512: floats per vector (8 or 16; 0: not built)
         self.f32_lanes: int = library.f32_linear_ready()
         self.has_f32: bool = self.f32_lanes > 0
         bf16_linear = library.amx_linear_bf16 if self.has_amx else library.bf16_dot_linear
@@ -61,7 +61,7 @@ class MatmulKernels:
 
     def takes(self, weight: torch.Tensor) -> bool:
         """Whether a kernel here takes this weight [n, k]: bfloat16 with k a multiple of 32 on
-        AMX or AVX512-BF16, float32 on AVX2 or AVX512 (without AMX)."""
+        AMX or AVX512-BF16, float32 on AVX2 or AVX512."""
         if weight.dtype == torch.float32:
             return self.has_f32
         has_bf16 = self.has_amx or self.has_bf16_dot
