@@ -86,6 +86,9 @@ class MasterWatch:
         # on a cluster: each slot range's first slot -> (its primary's node id, config epoch)
         self.owners: dict[int, tuple[str, int]] = {}
         self._task: asyncio.Task[None] | None = None
+        # stop() was called: the loop ends at its next turn even if redis-py swallowed the
+        # cancellation (a cluster's CLUSTER NODES during failovers did: stop() then hung)
+        self._stopping = False
         for client in self.clients if sentinels else ():  # (a cluster client has no pool)
             self.follow(client.connection_pool)
 
@@ -132,11 +135,13 @@ class MasterWatch:
         """Watch in a task of the running loop (no task without sentinels or a cluster)."""
         if self._task is None and (self.sentinels or self.cluster and self.clients):
             run = self._run() if self.sentinels else self._run_cluster()
+            self._stopping = False
             self._task = asyncio.create_task(run, name="master-watch")
         return self
 
     async def stop(self) -> None:
         if self._task is not None:
+            self._stopping = True
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
@@ -178,7 +183,7 @@ class MasterWatch:
     async def _run(self) -> None:
         assert self.sentinels
         sentinel = sentinel_client(self.sentinels, socket_connect_timeout=1, socket_timeout=1)
-        while True:
+        while not self._stopping:
             try:
                 address = await sentinel.discover_master(self.master)
             except (RedisError, OSError, TimeoutError) as exc:  # no quorum yet: ask again
@@ -192,7 +197,7 @@ class MasterWatch:
 
     async def _run_cluster(self) -> None:
         client = self.clients[0]
-        while True:
+        while not self._stopping:
             try:
                 nodes = await client.execute_command("CLUSTER NODES")  # type: ignore[no-untyped-call]
             except (RedisError, OSError, TimeoutError) as exc:  # CLUSTERDOWN answers this

@@ -152,3 +152,28 @@ async def test_on_a_cluster_each_new_primary_is_a_switch():
         await watch.stop()
         await client.aclose()
         cluster.stop()
+
+
+class SwallowsCancellation:
+    """A cluster client whose CLUSTER NODES, cancelled, answers as if nothing happened (redis-py's
+    cluster client swallowed a cancellation so while its nodes failed over: stop() hung)."""
+
+    def __init__(self) -> None:
+        self.num_calls = 0
+
+    async def execute_command(self, *args):
+        self.num_calls += 1
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            if self.num_calls > 1:  # once only: a watch that goes on can still be ended
+                raise
+        return {}
+
+
+async def test_stop_ends_the_watch_even_when_its_client_swallows_the_cancellation():
+    client = SwallowsCancellation()
+    watch = MasterWatch(None, MASTER, [client], lambda: None, cluster=True).start()
+    await wait_for(lambda: client.num_calls == 1, 5)
+    await asyncio.wait_for(watch.stop(), 5)
+    assert watch._task is None and client.num_calls == 1
