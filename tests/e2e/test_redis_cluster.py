@@ -192,7 +192,10 @@ def test_the_services_wait_out_a_cluster_that_is_down(served, redis_cluster):
     codes = asyncio.run(outage())
     assert set(codes) <= {200, 503}, codes  # the gateway answered: a 503 says Redis is out
     assert children_of(launcher.pid) == children, "".join(printed)
-    generated, _ = asyncio.run(_serve_all(port))
+    try:
+        generated, _ = asyncio.run(_serve_all(port))
+    except httpx.TimeoutException:  # hung once in five suites: which service, and where
+        pytest.fail(_why_stuck(launcher.pid, [], printed))
     assert len(generated) == 2 * len(PROMPTS)
 
 
