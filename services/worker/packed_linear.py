@@ -76,7 +76,7 @@ class PackedLinear:
 
     @property
     def kind(self) -> str:
-        """The matmul that runs it: amx, avx512bf16, avx2 or onednn."""
+        """The matmul that runs it: amx, avx512bf16, avx512widen, avx512, avx2 or onednn."""
         return "onednn" if self.own is None else self.own.kind(self.packed.dtype)
 
     def silu_mul(self, x: torch.Tensor, ops: kernels.CpuKernels) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The fast decoder's linear layers (services/worker/packed_linear.py) against F.linear, on
 whichever matmul this host gives them: AMX tiles for bfloat16 where the kernels were built for
-them (the amx level), AVX512-BF16 dot products for bfloat16 where they were built for those
-without the tiles (the avx512 level of a CPU with avx512_bf16: a Zen 4, or an AMX CPU capped
+them (the amx level), AVX512-BF16 dot products or FMAs of weights widened to float32 (both
+tested, the faster serves) for bfloat16 where they were built for those without the tiles (the avx512 level of a CPU with avx512_bf16: a Zen 4, or an AMX CPU capped
 to avx512), textgen's float32 kernel where they were built for AVX2 or AVX512 (the avx2 level,
 on an AVX2-only host or with ATEN_CPU_CAPABILITY=avx2, and the avx512 and amx levels; the
 float32 cases also run on a library built for the avx2 level on any host), oneDNN otherwise.
@@ -10,12 +10,16 @@ oneDNN has no bfloat16 matmul on an AVX2-only CPU: there PackedLinear refuses bf
 
 from __future__ import annotations
 
+import logging
 import platform
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from services.worker import kernels
+from services.worker.kernels.matmul import BF16_MATMUL_ENV
 from services.worker.loader import cpu_flags
 from services.worker.packed_linear import PackedLinear, pack, supports
 
@@ -45,7 +49,8 @@ def test_the_own_matmuls_run_exactly_where_the_kernels_were_built_for_them(ops):
             PackedLinear(torch.zeros(64, 64, dtype=torch.bfloat16), ops=ops)
         return
     bf16 = PackedLinear(torch.zeros(64, 64, dtype=torch.bfloat16), ops=ops)
-    own = "amx" if ops.matmul.has_amx else "avx512bf16" if ops.matmul.has_bf16_dot else None
+    dot = "avx512widen" if ops.matmul.bf16_widens else "avx512bf16"
+    own = "amx" if ops.matmul.has_amx else dot if ops.matmul.has_bf16_dot else None
     assert bf16.kind == (own or "onednn")
     # K that is not a multiple of 32 stays on oneDNN
     assert PackedLinear(torch.zeros(64, 48, dtype=torch.bfloat16), ops=ops).kind == "onednn"
@@ -65,18 +70,19 @@ def _assert_bfloat16_rounding(got: torch.Tensor, expected: torch.Tensor, x, weig
 @pytest.mark.parametrize("num_rows", [1, 7, 12, 13, 16, 17, 25, 32])
 @pytest.mark.parametrize(("k", "n"), [(576, 960), (64, 48), (96, 80), (1536, 576)])
 @pytest.mark.parametrize("has_bias", [False, True])
-def test_bfloat16_outputs_equal_f_linear_at_decode_batch_sizes(ops, num_rows, k, n, has_bias):
+def test_bfloat16_outputs_equal_f_linear_at_decode_batch_sizes(bf16_ops, num_rows, k, n, has_bias):
     """Up to 32 rows the AMX kernel (and oneDNN) sum K in the order F.linear does: bit-equal
     outputs, for any N (padded to the kernel's 32 columns) and with a bias. The AVX512-BF16
-    kernel sums K in its own order (blocks of 12 rows and the rest): equal within rounding."""
+    kernel sums K in its own order (blocks of 12 rows and the rest): equal within rounding,
+    by dot products or widened."""
     generator = torch.Generator().manual_seed(num_rows * 1000 + n)
     weight = (torch.randn(n, k, generator=generator) * 0.05).bfloat16()
     bias = torch.randn(n, generator=generator).bfloat16() if has_bias else None
     x = torch.randn(num_rows + 3, k + 8, generator=generator).bfloat16()[3:, 4 : k + 4]
-    linear = PackedLinear(weight, bias, ops)  # x: not at offset 0, rows k + 8 apart
+    linear = PackedLinear(weight, bias, bf16_ops)  # x: not at offset 0, rows k + 8 apart
     got, expected = linear(x), F.linear(x, weight, bias)
     assert got.dtype == torch.bfloat16 and got.shape == (num_rows, n)
-    if linear.kind == "avx512bf16":
+    if linear.kind in ("avx512bf16", "avx512widen"):
         _assert_bfloat16_rounding(got, expected, x, weight)
         assert torch.equal(got, linear(x.contiguous()))  # the stride changes nothing
     else:
@@ -85,14 +91,57 @@ def test_bfloat16_outputs_equal_f_linear_at_decode_batch_sizes(ops, num_rows, k,
 
 @needs_bfloat16
 @pytest.mark.parametrize("num_rows", [33, 64, 300, 600])
-def test_bfloat16_prompt_rows_differ_from_f_linear_by_rounding_only(ops, num_rows):
+def test_bfloat16_prompt_rows_differ_from_f_linear_by_rounding_only(bf16_ops, num_rows):
     """Past 32 rows oneDNN blocks its sums otherwise: a few outputs in 10^4 move by about an
     ulp."""
     generator = torch.Generator().manual_seed(num_rows)
     weight = (torch.randn(960, 576, generator=generator) * 0.05).bfloat16()
     x = torch.randn(num_rows, 576, generator=generator).bfloat16()
-    got, expected = PackedLinear(weight, None, ops)(x), F.linear(x, weight)
+    got, expected = PackedLinear(weight, None, bf16_ops)(x), F.linear(x, weight)
     _assert_bfloat16_rounding(got, expected, x, weight)
+
+
+@needs_bfloat16
+@pytest.mark.parametrize("num_rows", [1, 12, 13, 61, 300])
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_widened_multiply_equals_the_dot_products_bit_for_bit(ops, num_rows, gated):
+    """vdpbf16ps adds a pair's odd product, then its even one, each as an FMA rounded to
+    nearest even (the ISA's definition); the widened kernel adds the same products in the same
+    order: the same outputs, so which one runs changes speed only. (Denormals aside: the dot
+    products flush them, here none occur.)"""
+    if not ops.matmul.has_bf16_dot:
+        pytest.skip(f"no AVX512-BF16 matmul at the {ops.level} level")
+    generator = torch.Generator().manual_seed(num_rows)
+    weight = (torch.randn(2 * 768, 576, generator=generator) * 0.05).bfloat16()
+    bias = None if gated else torch.randn(2 * 768, generator=generator).bfloat16()
+    x = torch.randn(num_rows, 580, generator=generator).bfloat16()[:, 2:578]
+    outputs = {}
+    for multiply in ("dot", "widen"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(BF16_MATMUL_ENV, multiply)
+            built = kernels.load.__wrapped__()
+        linear = PackedLinear(weight, bias, built, gated=gated)
+        assert linear.kind == {"dot": "avx512bf16", "widen": "avx512widen"}[multiply]
+        outputs[multiply] = linear.silu_mul(x, built) if gated else linear(x)
+    assert torch.equal(outputs["dot"], outputs["widen"])
+
+
+def test_the_bfloat16_multiply_is_the_one_asked_for_else_the_faster(ops, monkeypatch, caplog):
+    """TEXTGEN_BF16_MATMUL picks dot products or widened FMAs; unset (or a value it does not
+    take, with a warning), the library times both on this core once."""
+    if not ops.matmul.has_bf16_dot:
+        pytest.skip(f"no AVX512-BF16 matmul at the {ops.level} level")
+    caplog.set_level(logging.INFO, logger="services.worker.kernels.matmul")
+    monkeypatch.setenv(BF16_MATMUL_ENV, "Widen ")
+    assert kernels.load.__wrapped__().matmul.kind(torch.bfloat16) == "avx512widen"
+    monkeypatch.setenv(BF16_MATMUL_ENV, "dot")
+    assert kernels.load.__wrapped__().matmul.kind(torch.bfloat16) == "avx512bf16"
+    monkeypatch.setenv(BF16_MATMUL_ENV, "amx")
+    caplog.clear()
+    chosen = kernels.load.__wrapped__().matmul.bf16_widens
+    assert "TEXTGEN_BF16_MATMUL=amx ignored: it takes dot or widen" in caplog.text
+    gain = float(re.search(r"widened FMAs x([0-9.]+) the dot products", caplog.text)[1])
+    assert gain > 0 and chosen == (gain > 1.0)
 
 
 @pytest.fixture(params=["host", "avx2"])
@@ -191,7 +240,7 @@ def test_float32_gate_up_runs_silu_mul_in_the_matmul(float32_ops, num_rows, k, w
 @needs_bfloat16
 @pytest.mark.parametrize("num_rows", [1, 5, 12, 13, 32, 61, 300])
 @pytest.mark.parametrize(("k", "width"), [(576, 1536), (64, 48), (96, 16), (64, 24)])
-def test_bfloat16_gate_up_runs_silu_mul_in_the_dot_product_matmul(ops, num_rows, k, width):
+def test_bfloat16_gate_up_runs_silu_mul_in_the_avx512_bf16_matmul(bf16_ops, num_rows, k, width):
     """On the AVX512-BF16 dot-product kernel an MLP's gate/up is packed with gate and up
     interleaved 16 rows at a time; silu(gate) * up from the sums, rounded to bfloat16 as the
     unfused matmul rounds them, equals that matmul and silu_mul bit for bit, and the plain
@@ -200,15 +249,15 @@ def test_bfloat16_gate_up_runs_silu_mul_in_the_dot_product_matmul(ops, num_rows,
     generator = torch.Generator().manual_seed(num_rows * 1000 + width)
     weight = (torch.randn(2 * width, k, generator=generator) / k**0.5).bfloat16()
     x = torch.randn(num_rows, k + 6, generator=generator).bfloat16()[:, 2 : k + 2]
-    gated = PackedLinear(weight, None, ops, gated=True)
-    plain = PackedLinear(weight, None, ops)
-    assert gated.fuses_silu == (ops.matmul.has_bf16_dot and width % 16 == 0)
+    gated = PackedLinear(weight, None, bf16_ops, gated=True)
+    plain = PackedLinear(weight, None, bf16_ops)
+    assert gated.fuses_silu == (bf16_ops.matmul.has_bf16_dot and width % 16 == 0)
     assert not plain.fuses_silu
     product = plain(x)
     assert torch.equal(gated(x), product)
-    activated = gated.silu_mul(x, ops)
+    activated = gated.silu_mul(x, bf16_ops)
     assert activated.shape == (num_rows, width) and activated.dtype == torch.bfloat16
-    assert torch.equal(activated, ops.silu_mul(product))
+    assert torch.equal(activated, bf16_ops.silu_mul(product))
     gate, up = product.double().chunk(2, dim=1)
     torch.testing.assert_close(activated.double(), F.silu(gate) * up, rtol=1e-2, atol=1e-3)
 

@@ -33,6 +33,7 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(HAS_AMX_LINEAR)
 #define HAS_BF16_DOT_LINEAR 1
 #include <immintrin.h>
+#include <time.h> /* bf16_widen_gain's clock */
 #endif
 /* the float32 matmul (f32_linear.inc): AVX2 FMA, or AVX512F where it is built (every level
  * but the default one) */

@@ -1,7 +1,9 @@
 """The fast decoder's own matmul kernels: bfloat16 on AMX tiles (amx_linear.inc), where the
 library was built for them (the amx level) and Linux grants the tile state, else on AVX512-BF16
-dot products (bf16_dot_linear.inc) where it was built for those (the avx512 level of a Zen 4,
-say); float32 on AVX2 FMA or AVX512F (f32_linear.inc), where it was built for AVX2 without
+dot products or on FMAs of weights widened to float32 in registers (bf16_dot_linear.inc) where
+it was built for AVX512-BF16 (the avx512 level of a Zen 4, or of a Xeon whose tiles are
+hidden): the faster of the two on this core, timed when the library loads (bf16_widen_gain;
+TEXTGEN_BF16_MATMUL=dot or widen picks one); float32 on AVX2 FMA or AVX512F (f32_linear.inc), where it was built for AVX2 without
 AVX512 (the avx2 level) or AVX512 (the avx512 and amx levels). Each packs a weight once into
 its layout (the two bfloat16 kernels share one) and computes x W^T (+ bias). Elsewhere (the
 default level) the caller keeps oneDNN (services/worker/packed_linear.py).
@@ -20,6 +22,8 @@ two; bfloat16, its 30 gate/up matmuls alone at 512 rows: x0.95)."""
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
 from typing import Any
 
 import torch
@@ -29,6 +33,9 @@ _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
 # x, x_stride, packed, bias, out, out_stride, num_rows, n, k, num_threads
 _LINEAR: list[Any] = [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, ctypes.c_int]
+log = logging.getLogger(__name__)
+BF16_MATMUL_ENV = "TEXTGEN_BF16_MATMUL"  # dot or widen: that AVX512-BF16 multiply, not the faster
+BF16_MULTIPLIES = ("dot", "widen")
 K_MULTIPLE = 32  # the AMX kernel's K steps: other widths stay on oneDNN
 F32_PANEL = 16  # output columns of one float32 weight panel (f32_linear.inc)
 
@@ -36,21 +43,28 @@ F32_PANEL = 16  # output columns of one float32 weight panel (f32_linear.inc)
 class MatmulKernels:
     """Typed calls into the library's matmul kernels."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, bf16_multiply: str | None = None) -> None:
+        """`bf16_multiply`: dot or widen, the AVX512-BF16 kernel's way to multiply; None: as
+        TEXTGEN_BF16_MATMUL says, else the faster here."""
         for ready in (library.amx_ready, library.bf16_dot_ready, library.f32_linear_ready):
             ready.restype = ctypes.c_int
         self.has_amx: bool = bool(library.amx_ready())  # built for the tiles, and granted them
         # built for AVX512-BF16 without the tiles (the AMX kernel goes first where both are)
         self.has_bf16_dot: bool = not self.has_amx and bool(library.bf16_dot_ready())
+        # that kernel multiplies widened float32 weights with FMAs, not by dot products
+        self.bf16_widens: bool = self.has_bf16_dot and self._widens(library, bf16_multiply)
         # built for AVX2 or AVX512: floats per vector (8 or 16; 0: not built)
         self.f32_lanes: int = library.f32_linear_ready()
         self.has_f32: bool = self.f32_lanes > 0
-        bf16_linear = library.amx_linear_bf16 if self.has_amx else library.bf16_dot_linear
+        bf16 = "bf16_widen" if self.bf16_widens else "bf16_dot"
+        bf16_linear = (
+            library.amx_linear_bf16 if self.has_amx else getattr(library, bf16 + "_linear")
+        )
         self._linears = {torch.bfloat16: bf16_linear, torch.float32: library.f32_linear}
-        # gate/up with silu_mul: float32's kernel, and bfloat16's dot-product one
+        # gate/up with silu_mul: float32's kernel, and bfloat16's AVX512-BF16 one
         self._linear_silus = {
             torch.float32: library.f32_linear_silu,
-            torch.bfloat16: library.bf16_dot_linear_silu,
+            torch.bfloat16: getattr(library, bf16 + "_linear_silu"),
         }
         for function in (*self._linears.values(), *self._linear_silus.values()):
             function.argtypes = _LINEAR
@@ -58,6 +72,23 @@ class MatmulKernels:
         self._amx_unpack = library.amx_unpack_bf16
         self._amx_unpack.argtypes = [_ptr, _ptr, _i64, _i64, ctypes.c_int]
         self._amx_unpack.restype = None
+
+    @staticmethod
+    def _widens(library: ctypes.CDLL, multiply: str | None) -> bool:
+        """Whether the AVX512-BF16 kernel widens: as asked, else where it runs faster so on this
+        core (an Emerald Rapids Xeon: x1.84; a Zen 4's dot products win)."""
+        multiply = multiply or os.environ.get(BF16_MATMUL_ENV, "").strip().lower() or None
+        if multiply is not None and multiply not in BF16_MULTIPLIES:
+            log.warning("%s=%s ignored: it takes dot or widen", BF16_MATMUL_ENV, multiply)
+            multiply = None
+        if multiply is not None:
+            log.info("bfloat16 matmuls: %s (%s)", multiply, BF16_MATMUL_ENV)
+            return multiply == "widen"
+        library.bf16_widen_gain.restype = ctypes.c_double
+        gain = library.bf16_widen_gain()
+        choice = "widen" if gain > 1.0 else "dot"
+        log.info("bfloat16 matmuls: %s (widened FMAs x%.2f the dot products' speed)", choice, gain)
+        return choice == "widen"
 
     def takes(self, weight: torch.Tensor) -> bool:
         """Whether a kernel here takes this weight [n, k]: bfloat16 with k a multiple of 32 on
@@ -68,11 +99,11 @@ class MatmulKernels:
         return has_bf16 and weight.dtype == torch.bfloat16 and weight.shape[1] % K_MULTIPLE == 0
 
     def kind(self, dtype: torch.dtype) -> str:
-        """The kernel that runs a weight of `dtype` it takes: amx, avx512bf16, avx512 or
-        avx2."""
+        """The kernel that runs a weight of `dtype` it takes: amx, avx512bf16 (dot products),
+        avx512widen (FMAs of widened bfloat16 weights), avx512 or avx2."""
         if dtype == torch.float32:
             return "avx512" if self.f32_lanes == 16 else "avx2"
-        return "amx" if self.has_amx else "avx512bf16"
+        return "amx" if self.has_amx else "avx512widen" if self.bf16_widens else "avx512bf16"
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
