@@ -1,12 +1,13 @@
 """The fast decoder's linear layers (services/worker/packed_linear.py) against F.linear, on
-whichever matmul this host gives them: AMX tiles for bfloat16 where the kernels were built for
-them (the amx level), AVX512-BF16 dot products or FMAs of weights widened to float32 (both
-tested, the faster serves) for bfloat16 where they were built for those without the tiles (the avx512 level of a CPU with avx512_bf16: a Zen 4, or an AMX CPU capped
-to avx512), textgen's float32 kernel where they were built for AVX2 or AVX512 (the avx2 level,
-on an AVX2-only host or with ATEN_CPU_CAPABILITY=avx2, and the avx512 and amx levels; the
-float32 cases also run on a library built for the avx2 level on any host), oneDNN otherwise.
-oneDNN has no bfloat16 matmul on an AVX2-only CPU: there PackedLinear refuses bfloat16 weights
-(the fast decoder then declines the model) and the bfloat16 cases below do not apply."""
+whichever matmul this host gives them: AMX tiles for bfloat16 where the kernels were built for them
+(the amx level), AVX512-BF16 dot products or FMAs of weights widened to float32 (both tested, the
+faster serves) for bfloat16 where they were built for those without the tiles (the avx512 level of a
+CPU with avx512_bf16: a Zen 4, or an AMX CPU capped to avx512), textgen's float32 kernel where they
+were built for AVX2 or AVX512 (the avx2 level, on an AVX2-only host or with
+ATEN_CPU_CAPABILITY=avx2, and the avx512 and amx levels; the float32 cases also run on a library
+built for the avx2 level on any host), oneDNN otherwise. oneDNN has no bfloat16 matmul on an
+AVX2-only CPU: there PackedLinear refuses bfloat16 weights (the fast decoder then declines the
+model) and the bfloat16 cases below do not apply."""
 
 from __future__ import annotations
 

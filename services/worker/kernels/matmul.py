@@ -1,23 +1,23 @@
-"""The fast decoder's own matmul kernels: bfloat16 on AMX tiles (amx_linear.inc), where the
-library was built for them (the amx level) and Linux grants the tile state, else on AVX512-BF16
-dot products or on FMAs of weights widened to float32 in registers (bf16_dot_linear.inc) where
-it was built for AVX512-BF16 (the avx512 level of a Zen 4, or of a Xeon whose tiles are
-hidden): the faster of the two on this core, timed when the library loads (bf16_widen_gain;
-TEXTGEN_BF16_MATMUL=dot or widen picks one); float32 on AVX2 FMA or AVX512F (f32_linear.inc), where it was built for AVX2 without
-AVX512 (the avx2 level) or AVX512 (the avx512 and amx levels). Each packs a weight once into
-its layout (the two bfloat16 kernels share one) and computes x W^T (+ bias). Elsewhere (the
-default level) the caller keeps oneDNN (services/worker/packed_linear.py).
+"""The fast decoder's own matmul kernels: bfloat16 on AMX tiles (amx_linear.inc), where the library
+was built for them (the amx level) and Linux grants the tile state, else on AVX512-BF16 dot products
+or on FMAs of weights widened to float32 in registers (bf16_dot_linear.inc) where it was built for
+AVX512-BF16 (the avx512 level of a Zen 4, or of a Xeon whose tiles are hidden): the faster of the
+two on this core, timed when the library loads (bf16_widen_gain; TEXTGEN_BF16_MATMUL=dot or widen
+picks one); float32 on AVX2 FMA or AVX512F (f32_linear.inc), where it was built for AVX2 without
+AVX512 (the avx2 level) or AVX512 (the avx512 and amx levels). Each packs a weight once into its
+layout (the two bfloat16 kernels share one) and computes x W^T (+ bias). Elsewhere (the default
+level) the caller keeps oneDNN (services/worker/packed_linear.py).
 
-The AVX2 float32 kernel keeps 6 rows x 16 columns of sums in registers; on 2 cores of an AVX2
-AMD EPYC it beats oneDNN at every row count SmolLM2-135M's steps have (its four matmuls x 30
-and lm_head with cold weights, medians of interleaved rounds: 58-70 vs 82-95 ms at 32 rows,
-~21 vs ~28 at 1; the four x 30 at 512 rows, prompt chunks: 782 vs 887 ms). The AVX512 one keeps
-12 rows x 32 columns (its numbers are in f32_linear.inc). An MLP's gate/up runs on it (and on
-the bfloat16 dot-product kernel) as linear_silu: gate and up rows packed interleaved,
-silu(gate) * up computed on the sums in registers (SmolLM2-135M in float32 on 2 Zen 4 cores,
-fused against unfused in turns, three runs: four 128-token prompts 604 vs 622, 590 vs 615,
-552 vs 568 ms; a batch-32 decode step 71.8 vs 75.4 ms in the first run, level in the other
-two; bfloat16, its 30 gate/up matmuls alone at 512 rows: x0.95)."""
+The AVX2 float32 kernel keeps 6 rows x 16 columns of sums in registers; on 2 cores of an AVX2 AMD
+EPYC it beats oneDNN at every row count SmolLM2-135M's steps have (its four matmuls x 30 and
+lm_head with cold weights, medians of interleaved rounds: 58-70 vs 82-95 ms at 32 rows, ~21 vs ~28
+at 1; the four x 30 at 512 rows, prompt chunks: 782 vs 887 ms). The AVX512 one keeps 12 rows x 32
+columns (its numbers are in f32_linear.inc). An MLP's gate/up runs on it (and on the bfloat16 dot-
+product kernel) as linear_silu: gate and up rows packed interleaved, silu(gate) * up computed on
+the sums in registers (SmolLM2-135M in float32 on 2 Zen 4 cores, fused against unfused in turns,
+three runs: four 128-token prompts 604 vs 622, 590 vs 615, 552 vs 568 ms; a batch-32 decode step
+71.8 vs 75.4 ms in the first run, level in the other two; bfloat16, its 30 gate/up matmuls alone at
+512 rows: x0.95)."""
 
 from __future__ import annotations
 
