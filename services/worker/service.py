@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import redis.asyncio as aioredis
+import torch
 
 from services.worker.fast_decoder import FAST_DECODER
 from services.worker.loader import LoadedModel
@@ -89,7 +90,8 @@ class WorkerService:
         self.startup_adapters = startup_refs(settings)
         kernels = self.runner.kernels if self.runner.attention == FAST_DECODER else None
         instruction_set = kernels.level if kernels is not None else ""
-        self.metrics.attention.labels(self.runner.attention, instruction_set).set(1)
+        bf16_matmul = kernels.matmul.kind(torch.bfloat16) if kernels is not None else ""
+        self.metrics.attention.labels(self.runner.attention, instruction_set, bf16_matmul).set(1)
         self.last_step_id = 0
         self.started_at = time.time()  # identifies this worker's lifetime to its scheduler
         self._ready_bytes = encode(self.ready_message())

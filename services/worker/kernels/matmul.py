@@ -100,10 +100,15 @@ class MatmulKernels:
 
     def kind(self, dtype: torch.dtype) -> str:
         """The kernel that runs a weight of `dtype` it takes: amx, avx512bf16 (dot products),
-        avx512widen (FMAs of widened bfloat16 weights), avx512 or avx2."""
+        avx512widen (FMAs of widened bfloat16 weights), avx512 or avx2; onednn where none
+        takes that dtype."""
         if dtype == torch.float32:
-            return "avx512" if self.f32_lanes == 16 else "avx2"
-        return "amx" if self.has_amx else "avx512widen" if self.bf16_widens else "avx512bf16"
+            return "onednn" if not self.has_f32 else "avx512" if self.f32_lanes == 16 else "avx2"
+        if self.has_amx:
+            return "amx"
+        if not self.has_bf16_dot:
+            return "onednn"
+        return "avx512widen" if self.bf16_widens else "avx512bf16"
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
