@@ -76,7 +76,8 @@ class MatmulKernels:
     @staticmethod
     def _widens(library: ctypes.CDLL, multiply: str | None) -> bool:
         """Whether the AVX512-BF16 kernel widens: as asked, else where it runs faster so on this
-        core (an Emerald Rapids Xeon: x1.84; a Zen 4's dot products win)."""
+        core (an Emerald Rapids Xeon: x1.84; a Zen 4, whose dot products issue as fast as its FMAs,
+        should keep them)."""
         multiply = multiply or os.environ.get(BF16_MATMUL_ENV, "").strip().lower() or None
         if multiply is not None and multiply not in BF16_MULTIPLIES:
             log.warning("%s=%s ignored: it takes dot or widen", BF16_MATMUL_ENV, multiply)
