@@ -114,7 +114,9 @@ def test_metrics_of_all_three_services_follow_a_run(tiny_cluster):
     level, matmul = kernels.capability(), kernels.load().matmul
     # bfloat16 matmuls: the AVX512-BF16 kernel's faster multiply (each worker times both), else
     # what this level has
-    bf16 = ("avx512bf16", "avx512widen") if matmul.has_bf16_dot else (matmul.kind(torch.bfloat16),)
+    bf16 = [matmul.kind(torch.bfloat16)]
+    if matmul.has_bf16_dot_products:
+        bf16 = ["avx512bf16", "avx512widen"]
     infos = [
         f'textgen_worker_attention_info{{bf16_matmul="{name}",instruction_set="{level}",'
         'kernel="cpu-kernels"}'

@@ -38,7 +38,9 @@ def _linux_grants_tiles() -> bool:
 def test_the_own_matmuls_run_exactly_where_the_kernels_were_built_for_them(ops):
     assert ops.matmul.has_amx == (ops.level == "amx" and _linux_grants_tiles())
     # the amx level builds the tiles' kernel instead (granted or not)
-    assert ops.matmul.has_bf16_dot == (ops.level == "avx512" and "avx512_bf16" in cpu_flags())
+    assert ops.matmul.has_bf16_avx512 == (ops.level == "avx512")
+    has_dot_products = ops.level == "avx512" and "avx512_bf16" in cpu_flags()
+    assert ops.matmul.has_bf16_dot_products == has_dot_products
     # float32: AVX2 or AVX512 (with the tiles' kernel beside it at the amx level)
     assert ops.matmul.has_f32 == (ops.level in ("avx2", "avx512", "amx"))
     float32_kind = {"avx2": "avx2", "avx512": "avx512", "amx": "avx512"}.get(ops.level, "onednn")
@@ -51,7 +53,7 @@ def test_the_own_matmuls_run_exactly_where_the_kernels_were_built_for_them(ops):
         return
     bf16 = PackedLinear(torch.zeros(64, 64, dtype=torch.bfloat16), ops=ops)
     dot = "avx512widen" if ops.matmul.bf16_widens else "avx512bf16"
-    own = "amx" if ops.matmul.has_amx else dot if ops.matmul.has_bf16_dot else None
+    own = "amx" if ops.matmul.has_amx else dot if ops.matmul.has_bf16_avx512 else None
     assert bf16.kind == (own or "onednn")
     # K that is not a multiple of 32 stays on oneDNN
     assert PackedLinear(torch.zeros(64, 48, dtype=torch.bfloat16), ops=ops).kind == "onednn"
@@ -105,13 +107,16 @@ def test_bfloat16_prompt_rows_differ_from_f_linear_by_rounding_only(bf16_ops, nu
 @needs_bfloat16
 @pytest.mark.parametrize("num_rows", [1, 12, 13, 61, 300])
 @pytest.mark.parametrize("gated", [False, True])
-def test_the_widened_multiply_equals_the_dot_products_bit_for_bit(ops, num_rows, gated):
+def test_the_widened_multiply_equals_the_dot_products_bit_for_bit(
+    ops, no_avx512_bf16_ops, num_rows, gated
+):
     """vdpbf16ps adds a pair's odd product, then its even one, each as an FMA rounded to
     nearest even (the ISA's definition); the widened kernel adds the same products in the same
-    order: the same outputs, so which one runs changes speed only. (Denormals aside: the dot
-    products flush them, here none occur.)"""
-    if not ops.matmul.has_bf16_dot:
-        pytest.skip(f"no AVX512-BF16 matmul at the {ops.level} level")
+    order: the same outputs, so which one runs changes speed only; and so does a build without
+    AVX512-BF16, which also rounds to bfloat16 without vcvtne2ps2bf16. (Denormals aside: the
+    dot products flush them, here none occur.)"""
+    if not ops.matmul.has_bf16_dot_products:
+        pytest.skip(f"no AVX512-BF16 dot products at the {ops.level} level")
     generator = torch.Generator().manual_seed(num_rows)
     weight = (torch.randn(2 * 768, 576, generator=generator) * 0.05).bfloat16()
     bias = None if gated else torch.randn(2 * 768, generator=generator).bfloat16()
@@ -125,13 +130,17 @@ def test_the_widened_multiply_equals_the_dot_products_bit_for_bit(ops, num_rows,
         assert linear.kind == {"dot": "avx512bf16", "widen": "avx512widen"}[multiply]
         outputs[multiply] = linear.silu_mul(x, built) if gated else linear(x)
     assert torch.equal(outputs["dot"], outputs["widen"])
+    linear = PackedLinear(weight, bias, no_avx512_bf16_ops, gated=gated)
+    assert linear.kind == "avx512widen"
+    without = linear.silu_mul(x, no_avx512_bf16_ops) if gated else linear(x)
+    assert torch.equal(without, outputs["dot"])
 
 
 def test_the_bfloat16_multiply_is_the_one_asked_for_else_the_faster(ops, monkeypatch, caplog):
     """TEXTGEN_BF16_MATMUL picks dot products or widened FMAs; unset (or a value it does not
     take, with a warning), the library times both on this core once."""
-    if not ops.matmul.has_bf16_dot:
-        pytest.skip(f"no AVX512-BF16 matmul at the {ops.level} level")
+    if not ops.matmul.has_bf16_dot_products:
+        pytest.skip(f"no AVX512-BF16 dot products at the {ops.level} level")
     caplog.set_level(logging.INFO, logger="services.worker.kernels.matmul")
     monkeypatch.setenv(BF16_MATMUL_ENV, "Widen ")
     assert kernels.load.__wrapped__().matmul.kind(torch.bfloat16) == "avx512widen"
@@ -252,7 +261,7 @@ def test_bfloat16_gate_up_runs_silu_mul_in_the_avx512_bf16_matmul(bf16_ops, num_
     x = torch.randn(num_rows, k + 6, generator=generator).bfloat16()[:, 2 : k + 2]
     gated = PackedLinear(weight, None, bf16_ops, gated=True)
     plain = PackedLinear(weight, None, bf16_ops)
-    assert gated.fuses_silu == (bf16_ops.matmul.has_bf16_dot and width % 16 == 0)
+    assert gated.fuses_silu == (bf16_ops.matmul.has_bf16_avx512 and width % 16 == 0)
     assert not plain.fuses_silu
     product = plain(x)
     assert torch.equal(gated(x), product)

@@ -29,9 +29,13 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
-/* the bfloat16 dot-product matmul (bf16_dot_linear.inc): AVX512-BF16 where AMX is not built */
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(HAS_AMX_LINEAR)
+/* the AVX512 bfloat16 matmul (bf16_dot_linear.inc) where AMX is not built: its widened FMAs on
+ * AVX512F and BW, its dot products too where AVX512-BF16 is built */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(HAS_AMX_LINEAR)
 #define HAS_BF16_DOT_LINEAR 1
+#if defined(__AVX512BF16__)
+#define HAS_BF16_DOT_PRODUCTS 1
+#endif
 #include <immintrin.h>
 #include <time.h> /* bf16_widen_gain's clock */
 #endif
@@ -89,6 +93,27 @@ static inline int64_t claim_take(int64_t *claimed, int64_t total, int64_t per_ch
 }
 
 #if defined(HAS_AMX_LINEAR) || defined(HAS_BF16_DOT_LINEAR)
+/* 16 floats rounded to bfloat16 as float_to_bf16 rounds them (nearest even, NaN 0x7FC0) */
+static inline __m256i floats_to_bf16x16(__m512 floats) {
+    __m512i bits = _mm512_castps_si512(floats);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(floats, floats, _CMP_UNORD_Q);
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
+}
+
+/* 32 floats (low's, then high's) rounded to bfloat16: vcvtne2ps2bf16 where AVX512-BF16 is
+ * built, the same rounding on AVX512F elsewhere */
+static inline __m512i floats_to_bf16x32(__m512 high, __m512 low) {
+#ifdef __AVX512BF16__
+    return (__m512i)_mm512_cvtne2ps_pbh(high, low);
+#else
+    return _mm512_inserti64x4(_mm512_castsi256_si512(floats_to_bf16x16(low)),
+                              floats_to_bf16x16(high), 1);
+#endif
+}
+
 /* 32 bfloat16 values as two float32 vectors (masked: n may end inside a pair of panels, so
  * `columns` says which to read); the bfloat16 matmuls' bias */
 static inline void bf16x32_to_floats(const bf16_t *values, __mmask32 columns, __m512 *floats) {

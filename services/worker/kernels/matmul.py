@@ -3,10 +3,11 @@ was built for them (the amx level) and Linux grants the tile state, else on AVX5
 or on FMAs of weights widened to float32 in registers (bf16_dot_linear.inc) where it was built for
 AVX512-BF16 (the avx512 level of a Zen 4, or of a Xeon whose tiles are hidden): the faster of the
 two on this core, timed when the library loads (bf16_widen_gain; TEXTGEN_BF16_MATMUL=dot or widen
-picks one); float32 on AVX2 FMA or AVX512F (f32_linear.inc), where it was built for AVX2 without
-AVX512 (the avx2 level) or AVX512 (the avx512 and amx levels). Each packs a weight once into its
-layout (the two bfloat16 kernels share one) and computes x W^T (+ bias). Elsewhere (the default
-level) the caller keeps oneDNN (services/worker/packed_linear.py).
+picks one); on the widened FMAs alone where it was built for AVX512 without AVX512-BF16 (a
+Skylake-SP's or an Ice Lake's avx512 level); float32 on AVX2 FMA or AVX512F (f32_linear.inc), where
+it was built for AVX2 without AVX512 (the avx2 level) or AVX512 (the avx512 and amx levels). Each
+packs a weight once into its layout (the two bfloat16 kernels share one) and computes x W^T (+
+bias). Elsewhere (the default level) the caller keeps oneDNN (services/worker/packed_linear.py).
 
 The AVX2 float32 kernel keeps 6 rows x 16 columns of sums in registers; on 2 cores of an AVX2 AMD
 EPYC it beats oneDNN at every row count SmolLM2-135M's steps have (its four matmuls x 30 and
@@ -44,15 +45,20 @@ class MatmulKernels:
     """Typed calls into the library's matmul kernels."""
 
     def __init__(self, library: ctypes.CDLL, bf16_multiply: str | None = None) -> None:
-        """`bf16_multiply`: dot or widen, the AVX512-BF16 kernel's way to multiply; None: as
-        TEXTGEN_BF16_MATMUL says, else the faster here."""
+        """`bf16_multiply`: dot or widen, the AVX512 bfloat16 kernel's way to multiply where it
+        has both; None: as TEXTGEN_BF16_MATMUL says, else the faster here."""
         for ready in (library.amx_ready, library.bf16_dot_ready, library.f32_linear_ready):
             ready.restype = ctypes.c_int
         self.has_amx: bool = bool(library.amx_ready())  # built for the tiles, and granted them
-        # built for AVX512-BF16 without the tiles (the AMX kernel goes first where both are)
-        self.has_bf16_dot: bool = not self.has_amx and bool(library.bf16_dot_ready())
+        built = 0 if self.has_amx else library.bf16_dot_ready()  # the AMX kernel goes first
+        # the AVX512 bfloat16 kernel: built for AVX512F and BW without the tiles
+        self.has_bf16_avx512: bool = bool(built & 1)
+        # ... with its dot products: built for AVX512-BF16 too
+        self.has_bf16_dot_products: bool = bool(built & 2)
         # that kernel multiplies widened float32 weights with FMAs, not by dot products
-        self.bf16_widens: bool = self.has_bf16_dot and self._widens(library, bf16_multiply)
+        self.bf16_widens: bool = self.has_bf16_avx512 and (
+            not self.has_bf16_dot_products or self._widens(library, bf16_multiply)
+        )
         # built for AVX2 or AVX512: floats per vector (8 or 16; 0: not built)
         self.f32_lanes: int = library.f32_linear_ready()
         self.has_f32: bool = self.f32_lanes > 0
@@ -61,7 +67,7 @@ class MatmulKernels:
             library.amx_linear_bf16 if self.has_amx else getattr(library, bf16 + "_linear")
         )
         self._linears = {torch.bfloat16: bf16_linear, torch.float32: library.f32_linear}
-        # gate/up with silu_mul: float32's kernel, and bfloat16's AVX512-BF16 one
+        # gate/up with silu_mul: float32's kernel, and bfloat16's AVX512 one
         self._linear_silus = {
             torch.float32: library.f32_linear_silu,
             torch.bfloat16: getattr(library, bf16 + "_linear_silu"),
@@ -75,9 +81,9 @@ class MatmulKernels:
 
     @staticmethod
     def _widens(library: ctypes.CDLL, multiply: str | None) -> bool:
-        """Whether the AVX512-BF16 kernel widens: as asked, else where it runs faster so on this
-        core (an Emerald Rapids Xeon: x1.84; a Zen 4, whose dot products issue as fast as its FMAs,
-        should keep them)."""
+        """Whether the AVX512 bfloat16 kernel, built with dot products, widens: as asked, else
+        where it runs faster so on this core (an Emerald Rapids Xeon: x1.84; a Zen 4, whose dot
+        products issue as fast as its FMAs, should keep them)."""
         multiply = multiply or os.environ.get(BF16_MATMUL_ENV, "").strip().lower() or None
         if multiply is not None and multiply not in BF16_MULTIPLIES:
             log.warning("%s=%s ignored: it takes dot or widen", BF16_MATMUL_ENV, multiply)
@@ -93,10 +99,10 @@ class MatmulKernels:
 
     def takes(self, weight: torch.Tensor) -> bool:
         """Whether a kernel here takes this weight [n, k]: bfloat16 with k a multiple of 32 on
-        AMX or AVX512-BF16, float32 on AVX2 or AVX512."""
+        AMX or AVX512, float32 on AVX2 or AVX512."""
         if weight.dtype == torch.float32:
             return self.has_f32
-        has_bf16 = self.has_amx or self.has_bf16_dot
+        has_bf16 = self.has_amx or self.has_bf16_avx512
         return has_bf16 and weight.dtype == torch.bfloat16 and weight.shape[1] % K_MULTIPLE == 0
 
     def kind(self, dtype: torch.dtype) -> str:
@@ -107,7 +113,7 @@ class MatmulKernels:
             return "onednn" if not self.has_f32 else "avx512" if self.f32_lanes == 16 else "avx2"
         if self.has_amx:
             return "amx"
-        if not self.has_bf16_dot:
+        if not self.has_bf16_avx512:
             return "onednn"
         return "avx512widen" if self.bf16_widens else "avx512bf16"
 
@@ -130,7 +136,7 @@ class MatmulKernels:
         AMX kernel, oneDNN)."""
         if dtype == torch.float32:
             return self.f32_lanes
-        return 16 if dtype == torch.bfloat16 and self.has_bf16_dot else 0
+        return 16 if dtype == torch.bfloat16 and self.has_bf16_avx512 else 0
 
     def interleave_gate_up(self, weight: torch.Tensor) -> torch.Tensor:
         """`weight` [2 * width, k], the gate's rows then the up's, with their rows interleaved
