@@ -99,12 +99,12 @@ class WorkerMetrics:
             "textgen_worker_attention_info",
             "1 for the path forward passes take: cpu-kernels (the fast CPU decoder), "
             "flash-attn or sdpa (transformers' modules); instruction_set: what the CPU kernels "
-            "were built for (amx: bfloat16 matmuls on AMX tiles too, avx512: on AVX512-BF16 "
-            "dot products too where the CPU has them, and float32 matmuls on textgen's AVX512 "
-            "kernel, avx2: float32 matmuls on textgen's AVX2 kernel too, default or native; "
-            "empty without them); bf16_matmul: what bfloat16 matmuls would run on (amx, "
-            "avx512bf16: dot products, avx512widen: FMAs of weights widened to float32, the "
-            "faster of those two on this CPU, or onednn; empty without the CPU kernels)",
+            "were built for (amx: bfloat16 matmuls on AMX tiles too, avx512: bfloat16 and "
+            "float32 matmuls on textgen's AVX512 kernels, avx2: float32 matmuls on textgen's "
+            "AVX2 kernel, default or native; empty without them); bf16_matmul: what bfloat16 "
+            "matmuls would run on (amx, avx512bf16: AVX512-BF16 dot products, avx512widen: "
+            "FMAs of weights widened to float32, where faster or without AVX512-BF16, or "
+            "onednn; empty without the CPU kernels)",
             ["kernel", "instruction_set", "bf16_matmul"],
             registry=r,
         )
