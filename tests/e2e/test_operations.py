@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 
 import httpx
 import pytest
@@ -39,6 +41,30 @@ def test_probes_of_scheduler_and_worker(tiny_cluster):
         assert httpx.get(f"{base}/live").status_code == 200
         assert httpx.get(f"{base}/ready").status_code == 200
         assert httpx.get(f"{base}/nope").status_code == 404
+
+
+def test_sigusr1_dumps_a_gateways_stacks_and_it_goes_on(tiny_cluster):
+    """`kill -USR1` on a gateway, as the README offers for a stuck service: its threads' and
+    its loop's tasks' stacks in its log, and it goes on serving (under uvicorn.run the signal
+    killed it)."""
+    process, log = tiny_cluster.processes["gateway-0"], tiny_cluster.logs["gateway-0"]
+    size = log.stat().st_size
+    process.send_signal(signal.SIGUSR1)
+    deadline, dump = time.monotonic() + 30, ""
+    while "Stack for <Task" not in dump and time.monotonic() < deadline:
+        time.sleep(0.1)
+        with log.open("rb") as text:
+            text.seek(size)
+            dump = text.read().decode(errors="replace")
+    assert process.poll() is None, tiny_cluster.log_tails()
+    assert "Thread " in dump and "'MainThread'" in dump, dump
+    assert "Stack for <Task" in dump and "uvicorn" in dump, dump
+    response = httpx.post(
+        f"{tiny_cluster.gateway_urls[0]}/generate",
+        json={"inputs": prompt_text(0, 5), "parameters": {"max_new_tokens": 3}},
+        timeout=60,
+    )
+    assert response.status_code == 200 and process.poll() is None
 
 
 def test_metrics_of_all_three_services_follow_a_run(tiny_cluster):

@@ -161,7 +161,7 @@ class Cluster:
             parts.append(f"--- {name} ---\n{text[-num_chars:]}")
         return "\n".join(parts)
 
-    def stacks(self, services: tuple[str, ...] = ("worker", "scheduler")) -> str:
+    def stacks(self, services: tuple[str, ...] = ("worker", "scheduler", "gateway")) -> str:
         """Each running service's threads and tasks, from its own dump (SIGUSR1: shared/aio.py):
         where a stuck one waits."""
         running = [name for name, p in self.processes.items() if p.poll() is None]
