@@ -276,9 +276,9 @@ def cluster_ready(redis_url: str) -> dict[str, WorkerReady]:
 def test_drain_sends_new_requests_to_the_other_group(live_cluster, redis_url):
     cluster, url = live_cluster, live_cluster.gateway_urls[0]
 
-    async def burst(num: int) -> None:
+    async def burst(num: int, max_new_tokens: int = 8) -> None:
         async with httpx.AsyncClient(timeout=120) as http:
-            await asyncio.gather(*(generate(http, url, i, 8) for i in range(num)))
+            await asyncio.gather(*(generate(http, url, i, max_new_tokens) for i in range(num)))
 
     cluster.wait_idle()
     drained = textgen_queue(redis_url, LIVE_NAMESPACE, "drain", "g0")
@@ -297,7 +297,9 @@ def test_drain_sends_new_requests_to_the_other_group(live_cluster, redis_url):
     assert undrained.returncode == 0 and "confirmed" in undrained.stdout, undrained.stderr
     assert not cluster.stats()["g0"].draining
     before = finished_per_group(cluster)
-    asyncio.run(burst(8))  # more than g1 takes in one pull: g0 gets some
+    # more than g1 holds at once, each long enough that g1 is still busy with its first two
+    # when g0 reads again (with 8 tokens g1 took all 8 once, in a full suite on 2 busy cores)
+    asyncio.run(burst(8, 64))
     cluster.wait_idle()
     after = finished_per_group(cluster)
     assert after["g0"] > before["g0"]
