@@ -13,8 +13,8 @@ The AVX2 float32 kernel keeps 6 rows x 16 columns of sums in registers; on 2 cor
 EPYC it beats oneDNN at every row count SmolLM2-135M's steps have (its four matmuls x 30 and
 lm_head with cold weights, medians of interleaved rounds: 58-70 vs 82-95 ms at 32 rows, ~21 vs ~28
 at 1; the four x 30 at 512 rows, prompt chunks: 782 vs 887 ms). The AVX512 one keeps 12 rows x 32
-columns (its numbers are in f32_linear.inc). An MLP's gate/up runs on it (and on the bfloat16 dot-
-product kernel) as linear_silu: gate and up rows packed interleaved, silu(gate) * up computed on
+columns (its numbers are in f32_linear.inc). An MLP's gate/up runs on it (and on the bfloat16
+AVX512 kernel) as linear_silu: gate and up rows packed interleaved, silu(gate) * up computed on
 the sums in registers (SmolLM2-135M in float32 on 2 Zen 4 cores, fused against unfused in turns,
 three runs: four 128-token prompts 604 vs 622, 590 vs 615, 552 vs 568 ms; a batch-32 decode step
 71.8 vs 75.4 ms in the first run, level in the other two; bfloat16, its 30 gate/up matmuls alone at
@@ -44,9 +44,7 @@ F32_PANEL = 16  # output columns of one float32 weight panel (f32_linear.inc)
 class MatmulKernels:
     """Typed calls into the library's matmul kernels."""
 
-    def __init__(self, library: ctypes.CDLL, bf16_multiply: str | None = None) -> None:
-        """`bf16_multiply`: dot or widen, the AVX512 bfloat16 kernel's way to multiply where it
-        has both; None: as TEXTGEN_BF16_MATMUL says, else the faster here."""
+    def __init__(self, library: ctypes.CDLL) -> None:
         for ready in (library.amx_ready, library.bf16_dot_ready, library.f32_linear_ready):
             ready.restype = ctypes.c_int
         self.has_amx: bool = bool(library.amx_ready())  # built for the tiles, and granted them
@@ -57,7 +55,7 @@ class MatmulKernels:
         self.has_bf16_dot_products: bool = bool(built & 2)
         # that kernel multiplies widened float32 weights with FMAs, not by dot products
         self.bf16_widens: bool = self.has_bf16_avx512 and (
-            not self.has_bf16_dot_products or self._widens(library, bf16_multiply)
+            not self.has_bf16_dot_products or self._widens(library)
         )
         # built for AVX2 or AVX512: floats per vector (8 or 16; 0: not built)
         self.f32_lanes: int = library.f32_linear_ready()
@@ -80,11 +78,12 @@ class MatmulKernels:
         self._amx_unpack.restype = None
 
     @staticmethod
-    def _widens(library: ctypes.CDLL, multiply: str | None) -> bool:
-        """Whether the AVX512 bfloat16 kernel, built with dot products, widens: as asked, else
-        where it runs faster so on this core (an Emerald Rapids Xeon: x1.84; a Zen 4, whose dot
-        products issue as fast as its FMAs, should keep them)."""
-        multiply = multiply or os.environ.get(BF16_MATMUL_ENV, "").strip().lower() or None
+    def _widens(library: ctypes.CDLL) -> bool:
+        """Whether the AVX512 bfloat16 kernel, built with dot products, widens: as
+        TEXTGEN_BF16_MATMUL asks, else where it runs faster so on this core (an Emerald Rapids
+        Xeon: x1.84; a Zen 4, whose dot products issue as fast as its FMAs, should keep
+        them)."""
+        multiply = os.environ.get(BF16_MATMUL_ENV, "").strip().lower() or None
         if multiply is not None and multiply not in BF16_MULTIPLIES:
             log.warning("%s=%s ignored: it takes dot or widen", BF16_MATMUL_ENV, multiply)
             multiply = None
