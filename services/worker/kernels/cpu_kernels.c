@@ -201,11 +201,17 @@ static inline float exp_clamped(float x) {
 #define SILU_SPAN 512 /* gate values whose exponentials silu_mul computes at once */
 #define KEY_TILE 16                  /* keys scored together in the attention kernel */
 #define PARTS (KEY_TILE / LANES)     /* vecws of a tile's scores */
-#define ROWS_MAX 6 /* query rows the attention kernel computes together: a prompt chunk's 48
-                      rows per KV head (16 queries x 3 heads) in 8 groups of 6 instead of 12 of
-                      4 read each key and value tile fewer times (4 prompts of 128 tokens, 30
-                      layers, 2 Zen 4 cores, kernel_ab in turns: x0.897-0.944; AVX2 build
-                      x0.939; 8 rows: x0.991, 5: x0.993, 7: x0.949) */
+/* query rows the attention kernel computes together. AVX512: a prompt chunk's 48 rows per KV
+ * head (16 queries x 3 heads) in 8 groups of 6 instead of 12 of 4 read each key and value tile
+ * fewer times (4 prompts of 128 tokens, 30 layers, 2 Zen 4 cores, kernel_ab in turns:
+ * x0.897-0.944; 8 rows: x0.991, 5: x0.993, 7: x0.949). AVX2's 16 vector registers do not hold
+ * 6 rows' scores and sums: on 2 Zen 3 cores 4 rows took x0.856-0.889 of 6's time (5: x1.11),
+ * though the AVX2 build on a Zen 4 core liked 6 (x0.939) */
+#ifdef __AVX512F__
+#define ROWS_MAX 6
+#else
+#define ROWS_MAX 4
+#endif
 #define MAX_TILE_ROWS 48             /* query rows (queries x heads of a KV group) per item */
 #define MAX_QUERY_TILE 16            /* queries of one request per attention work item */
 #ifndef PREFETCH_TILES
