@@ -162,6 +162,14 @@ def add_bench_flags(parser: argparse.ArgumentParser) -> None:
         "with --max-loras 1 (one adapter per step); throughput ratios",
     )
     parser.add_argument(
+        "--fake-step-ms",
+        type=float,
+        metavar="MS",
+        help="simulated forward passes of MS ms, no weights, on the launched server "
+        "(--fake-step-ms) and the in-process engine: the broker's cost around a step of a "
+        "GPU's length, on any machine",
+    )
+    parser.add_argument(
         "--launch-arg",
         action="append",
         default=[],

@@ -62,17 +62,22 @@ class InProcess:
             # decodes)
             "steps_per_token": round((stats.num_steps - steps_before) / max(1, num_tokens), 3),
             "speculate": self.speculate,
+            # simulated forward passes of this many ms (--fake-step-ms), None: the model's
+            "fake_step_ms": self.engine.fake_step_ms,
             "draft_tokens": stats.num_draft_tokens - drafts_before,
             "accepted_tokens": stats.num_accepted_tokens - accepted_before,
         }
 
 
-def load_inprocess(model_dir: Path, speculate: int = 0, dtype: str = "auto") -> InProcess:
-    """The engine on `model_dir` in `dtype` (the server's, so that the two compare), warmed
-    up."""
+def load_inprocess(
+    model_dir: Path, speculate: int = 0, dtype: str = "auto", fake_step_ms: float | None = None
+) -> InProcess:
+    """The engine on `model_dir` in `dtype` (the server's, so that the two compare), or its
+    simulated steps of `fake_step_ms`, warmed up."""
     from services.engine import Engine
 
-    return InProcess(Engine(str(model_dir), speculate=speculate, dtype=dtype), speculate)
+    engine = Engine(str(model_dir), speculate=speculate, dtype=dtype, fake_step_ms=fake_step_ms)
+    return InProcess(engine, speculate)
 
 
 def run_ceiling(model_dir: Path) -> dict[str, Any]:

@@ -186,7 +186,7 @@ def compare_inprocess(
     concurrency = int(first.value) if first else None
     compute = args.placement.compute
     with compute():
-        inprocess = load_inprocess(model_dir, args.speculate, dtype)
+        inprocess = load_inprocess(model_dir, args.speculate, dtype, args.fake_step_ms)
     before, started = cpu.snapshot(served.pid), time.perf_counter()
     with compute():
         baseline = inprocess.run(cases, concurrency)
@@ -239,6 +239,16 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return "--compare-lora launches its servers with --lora adapters: add --lora N, drop --url"
     if args.lora < 0 or args.lora_rank < 1:
         return "--lora must be >= 0 and --lora-rank >= 1"
+    if args.fake_step_ms is not None:
+        if args.url:
+            return "--fake-step-ms launches a simulated server: drop --url"
+        if args.fake_step_ms < 0:
+            return f"--fake-step-ms must be >= 0, got {args.fake_step_ms:g}"
+        if args.compare_transformers or args.ceiling or args.speculate:
+            return (
+                "--fake-step-ms simulates the model: drop --compare-transformers, --ceiling "
+                "and --speculate"
+            )
     if args.rounds < 1:
         return f"--rounds must be at least 1, got {args.rounds}"
     if args.rounds > 1:
@@ -278,6 +288,8 @@ def run(args: argparse.Namespace) -> int:
         workload += f", spread over {args.lora} LoRA adapters of rank {args.lora_rank}"
     if args.speculate:
         args.launch_arg = [*args.launch_arg, "--speculate", str(args.speculate)]
+    if args.fake_step_ms is not None:
+        args.launch_arg = [*args.launch_arg, "--fake-step-ms", str(args.fake_step_ms)]
     inprocess_baseline: dict[str, Any] = {}
     rounds: list[dict[str, Any]] = []
     with server(

@@ -14,6 +14,7 @@ from typing import Any
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import SchedRequest
 from services.scheduler.scheduler import Scheduler
+from services.worker.fake import fake_model
 from services.worker.loader import LoadedModel, load_model
 from services.worker.runner import StepOutcome
 from services.worker.runtime import build_runner, ready_message
@@ -72,14 +73,19 @@ class Engine:
         max_loras: int = 4,
         cuda_graphs: list[int] | None = None,
         compile: bool = True,
+        fake_step_ms: float | None = None,
     ) -> None:
-        self.loaded = (
-            model_id
-            if isinstance(model_id, LoadedModel)
-            else load_model(
+        """`fake_step_ms`: the simulated worker's forward pass (services/worker/fake.py: every
+        step takes that long, no weights are loaded), to measure what surrounds the steps."""
+        self.fake_step_ms = fake_step_ms
+        if isinstance(model_id, LoadedModel):
+            self.loaded = model_id
+        elif fake_step_ms is not None:
+            self.loaded = fake_model(model_id)
+        else:
+            self.loaded = load_model(
                 model_id, dtype=dtype, device=device, quantize=quantize, cpu_kernels=cpu_kernels
             )
-        )
         self.runner = build_runner(
             self.loaded,
             block_size=block_size,
@@ -90,6 +96,7 @@ class Engine:
             max_loras=max_loras,
             cuda_graphs=cuda_graphs,
             compile=compile,
+            fake_step_ms=fake_step_ms,
         )
         # the scheduler service's policy (watermark included) for this runner, as announced
         ready = ready_message(

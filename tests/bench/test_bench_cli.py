@@ -89,6 +89,40 @@ def test_rounds_pair_the_server_with_the_inprocess_engine(stories_model):
     assert report["rounds"]["median"]["ratio"] == ratios[1]
 
 
+@pytest.mark.integration
+def test_fake_step_ms_simulates_the_server_and_the_inprocess_engine(stories_model):
+    report = bench_json(
+        stories_model,
+        *["--num-requests", "4", "--concurrency", "2", "--output-len-range", "6:6"],
+        *["--fake-step-ms", "25", "--compare-inprocess"],
+    )
+    level = report["levels"][0]
+    assert level["num_completed"] == 4 and level["num_failed"] == 0
+    baseline = report["baselines"]["inprocess"]
+    assert baseline["fake_step_ms"] == 25
+    # every in-process step slept its 25 ms: the engine ran the simulated backend, not the model
+    num_steps = baseline["steps_per_token"] * baseline["generated_tokens"]
+    assert num_steps >= 6 and baseline["wall_s"] >= 0.9 * num_steps * 0.025
+    # the launched worker ran simulated steps too: a first token comes out of a step of 25 ms
+    # (the real stories260k computes one in about a millisecond)
+    assert level["ttft"]["p50_ms"] >= 25
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--url", "http://127.0.0.1:1"], "drop --url"),
+        (["--compare-transformers"], "drop --compare-transformers"),
+        (["--fake-step-ms=-1"], "must be >= 0"),
+    ],
+)
+def test_fake_step_ms_refuses_what_it_cannot_simulate(capsys, stories_model, flags, message):
+    argv = ["bench", "--model-id", str(stories_model), "--no-progress"]
+    argv += ["--fake-step-ms", "5", *flags]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_plot_without_matplotlib_says_how_to_get_it(capsys, stories_model, tmp_path):
     if can_plot():
         pytest.skip("matplotlib is installed")
