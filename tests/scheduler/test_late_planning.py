@@ -128,6 +128,8 @@ async def test_a_late_planning_wait_ends_on_time_when_nothing_else_reaches_redis
                 assert await intake.pull(room=4, block=False, wait_s=0.005) == []
             assert time.perf_counter() - started < 1.0
             wakes = metrics.registry.get_sample_value("textgen_scheduler_plan_wait_wakes_total")
-            assert wakes >= 5
+            # each wait was ended by a wake, but for at most one that Redis's own once-a-second
+            # tick ended first (the five took under a second: a busy host stretches each wait)
+            assert wakes >= 4
         finally:
             await client.aclose()
