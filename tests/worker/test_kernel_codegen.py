@@ -21,12 +21,13 @@ import pytest
 
 from services.worker import kernels
 
-# the instruction sets of kernels.LEVELS, and the CPUs whose `native` builds differ in kind
+# the flags of each of kernels.LEVELS but default, with a CPU of that kind for the levels that
+# build for the host's own (-march=native): with AVX512-BF16 or without, with AMX
 MARCHES = {
-    "avx2": ["-march=x86-64-v3"],
-    "avx512": ["-march=x86-64-v4", "-mprefer-vector-width=512"],
-    "avx512-bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mprefer-vector-width=512"],
-    "amx": ["-march=sapphirerapids", "-mprefer-vector-width=512"],
+    "avx2": [kernels.march("avx2")],
+    "avx512": [*kernels.LEVEL_FLAGS["avx512"], "-march=x86-64-v4"],
+    "avx512-bf16": [*kernels.LEVEL_FLAGS["avx512"], "-march=x86-64-v4", "-mavx512bf16"],
+    "amx": [*kernels.LEVEL_FLAGS["amx"], "-march=sapphirerapids"],
 }
 MAX_SPILLED_SUMS = 16  # FMA results stored to the stack right after, per function
 FMA = re.compile(r"\s(vfmadd\w*|vdpbf16ps)\s.*,\s*(%[xyz]mm\d+)$")
@@ -60,7 +61,7 @@ def compile_to_assembly(sources: Path, flags: list[str]) -> str:
     argv.remove("-shared")
     result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     if result.returncode != 0 and "march" in result.stderr:
-        pytest.skip(f"this compiler lacks {flags[0]}")
+        pytest.skip(f"this compiler lacks {' '.join(flags)}")
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout
 
