@@ -266,8 +266,10 @@ def test_streams_go_on_through_failovers_of_the_nodes(served, redis_cluster, fau
     switches = primaries_moved(port)
     progress: list[list[dict]] = []
     try:
+        # one bound below pytest-timeout's over all of it (the faults and the streams after
+        # them too), so that a hang anywhere dumps the services' stacks
         undisturbed, disturbed, seconds = asyncio.run(
-            _through_failovers(port, redis_cluster, fault, progress)
+            asyncio.wait_for(_through_failovers(port, redis_cluster, fault, progress), 240)
         )
     except TimeoutError:
         pytest.fail(_why_stuck(launcher.pid, progress, printed))
