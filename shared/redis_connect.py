@@ -37,16 +37,23 @@ _recover_from_unblocked()
 
 
 class ClusterNodeConnection(aioredis.Connection):
-    """redis-py's connection for a cluster client: a write to a transport that closed under it
-    raises ConnectionError, as on asyncio's own loop. A cluster client that meets CLUSTERDOWN
-    closes every node's connections while other tasks still use them, and on uvloop their
-    writes raise RuntimeError ("the handler is closed"), which no outage handler expects."""
+    """redis-py's connection for a cluster client: a write to a connection closed under it
+    raises ConnectionError, which the outage handlers catch. A cluster client that meets
+    CLUSTERDOWN closes every node's connections while other tasks still use them: on uvloop a
+    write to a closed transport raises RuntimeError ("the handler is closed"), and a write
+    after the disconnect dropped the stream writer (between redis-py's is-connected check and
+    its write, as in the handshake of a reconnect) raises AttributeError ("'NoneType' object
+    has no attribute 'writelines'"); either ended the scheduler in a kill -9 failover."""
 
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         try:
             await super().send_packed_command(command, check_health)
         except RuntimeError as exc:
             if "closed" not in str(exc):
+                raise
+            raise redis.ConnectionError(f"writing to a closed connection: {exc}") from exc
+        except AttributeError as exc:
+            if "'NoneType'" not in str(exc):
                 raise
             raise redis.ConnectionError(f"writing to a closed connection: {exc}") from exc
 

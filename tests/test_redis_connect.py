@@ -2,7 +2,8 @@
 connection whose transport closed under it (a cluster client that met CLUSTERDOWN closes every
 node's connections while other tasks use them) raises redis's ConnectionError on the services'
 loop (uvloop), which the outage handlers catch; redis-py's own connection raises RuntimeError
-there, which ended the scheduler in a kill -9 failover."""
+there, which ended the scheduler in a kill -9 failover; and a write after another task's
+disconnect dropped the stream writer raises AttributeError there, which ended it too."""
 
 from __future__ import annotations
 
@@ -42,3 +43,37 @@ def test_a_write_to_a_closed_connection_is_a_lost_connection(redis_url, connecti
     port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
     with pytest.raises(raised, match="closed"):
         aio.run(_write_after_close(connection_class, port))
+
+
+class _ClosedUnderIt:
+    """Another task's disconnect() runs between redis-py's is-connected check and its write
+    (CLUSTERDOWN's reset of every node's connections, during a reconnect's handshake)."""
+
+    async def _send_packed_command(self, command) -> None:
+        self._writer = None
+        await super()._send_packed_command(command)  # type: ignore[misc]
+
+
+async def _write_after_disconnect(connection_class: type[aioredis.Connection], port: int) -> None:
+    closing = type("Closing", (_ClosedUnderIt, connection_class), {})
+    connection = closing(host="127.0.0.1", port=port)
+    try:
+        await connection.connect()  # its handshake's first write (CLIENT SETINFO) meets it
+        await connection.send_command("PING", check_health=False)
+    finally:
+        await connection.disconnect()
+
+
+@pytest.mark.parametrize(
+    ("connection_class", "raised", "match"),
+    [
+        (ClusterNodeConnection, redis.ConnectionError, "closed connection.*NoneType"),
+        (aioredis.Connection, AttributeError, "NoneType"),
+    ],
+)
+def test_a_write_after_a_disconnect_under_it_is_a_lost_connection(
+    redis_url, connection_class, raised, match
+):
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    with pytest.raises(raised, match=match):
+        aio.run(_write_after_disconnect(connection_class, port))
