@@ -4,10 +4,6 @@ VENV := .venv
 MODEL_ID ?= HuggingFaceTB/SmolLM2-135M-Instruct
 PORT ?= 3000
 PYTEST_ARGS ?=
-# two pytest processes, a test file each at a time (its module fixtures stay in one process):
-# most tests wait on servers they launched, so two overlap. On 2 Zen 4 cores the suite took
-# 596 s this way against 706-735 s in one process; `make test PYTEST_PARALLEL=` runs it in one
-PYTEST_PARALLEL ?= -n 2 --dist loadfile
 
 .PHONY: serve test lint clean
 
@@ -23,7 +19,7 @@ serve: $(VENV)/.installed
 	$(VENV)/bin/textgen launch --model-id "$(MODEL_ID)" --port $(PORT)
 
 test: $(VENV)/.installed
-	$(VENV)/bin/python -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check shared services tests
