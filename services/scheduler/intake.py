@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import msgspec
+import redis
 import redis.asyncio as aioredis
 from redis.typing import KeyT, StreamIdT
 
@@ -50,6 +51,10 @@ IDLE_BLOCK_MS = 250  # an idle scheduler's wait for the next arrival, per read (
 # meanwhile, token gaps of 50-100 ms at one stream). A command on the lanes' node once the wait
 # is over wakes it, and the read ends on time.
 WAKE_AFTER_S = 0.001  # past the wait's end, before a wake-up command (and between two)
+# past a blocked read's end, the longest its reply may take: in a Redis Cluster kill -9 failover
+# a scheduler's XREADGROUP once never returned (every stream stuck for minutes, both schedulers
+# awaiting it); past this it counts as a lost connection, and the session starts again
+READ_GRACE_S = 5.0
 
 
 class RequestIntake:
@@ -99,9 +104,15 @@ class RequestIntake:
                     SCHEDULER_GROUP, self.consumer, lanes, count=1, block=block_ms
                 )
             )
-            if not block:
-                await self._end_on_time(read, block_ms / 1000)
-            reply: Any = await read
+            try:
+                async with asyncio.timeout(block_ms / 1000 + READ_GRACE_S):
+                    if not block:
+                        await self._end_on_time(read, block_ms / 1000)
+                    reply: Any = await read
+            except TimeoutError:
+                read.cancel()
+                log.warning("no reply to a blocked read of the lanes: reconnecting")
+                raise redis.TimeoutError("no reply to XREADGROUP on the lanes") from None
             entries = [
                 (as_text(lane), entry_id, fields)
                 for lane, lane_entries in reply or []

@@ -8,8 +8,10 @@ from __future__ import annotations
 import time
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 
+from services.scheduler import intake as intake_module
 from services.scheduler.aborts import AbortListener
 from services.scheduler.intake import RequestIntake
 from services.scheduler.metrics import SchedulerMetrics
@@ -133,3 +135,37 @@ async def test_a_late_planning_wait_ends_on_time_when_nothing_else_reaches_redis
             assert wakes >= 4
         finally:
             await client.aclose()
+
+
+@pytest.mark.parametrize("block", [True, False])
+async def test_a_blocked_read_without_a_reply_is_a_lost_connection(namespace, monkeypatch, block):
+    """A lanes' read that Redis never answers (CLIENT PAUSE here; a Redis Cluster kill -9
+    failover once left one so for minutes, every stream stuck) ends READ_GRACE_S past its
+    block time as redis's TimeoutError, which the scheduler's loop takes for a lost
+    connection: it reconnects and starts its session again."""
+    monkeypatch.setattr(intake_module, "READ_GRACE_S", 0.3)
+    with redis_server() as url:
+        client = aioredis.Redis.from_url(url)
+        pauser = aioredis.Redis.from_url(url)
+        try:
+            channels = Channels(namespace)
+            metrics = SchedulerMetrics()
+            aborts = AbortListener(client, channels, memory_s=60)
+            intake = RequestIntake(client, channels, "c", aborts, metrics, claim_timeout=30)
+            await intake.open()
+
+            async def nothing_waiting(room: int) -> list:
+                return []
+
+            monkeypatch.setattr(intake.lanes, "read", nothing_waiting)
+            await pauser.execute_command("CLIENT", "PAUSE", 5000, "ALL")
+            started = time.perf_counter()
+            with pytest.raises(redis.TimeoutError, match="no reply"):
+                await intake.pull(room=4, block=block, wait_s=0.005)
+            assert time.perf_counter() - started < 2.0  # the block (<= 0.25 s) and the grace
+            await pauser.execute_command("CLIENT", "UNPAUSE")
+            assert await intake.pull(room=4, block=False) == []  # a new connection serves
+        finally:
+            await pauser.execute_command("CLIENT", "UNPAUSE")
+            await client.aclose()
+            await pauser.aclose()
