@@ -52,8 +52,9 @@
 
 typedef uint16_t bf16_t;
 
-/* The matmuls' requests for a later weight panel (f32_linear.inc, bf16_dot_linear.inc): the
- * cache lines from `at` up to `end` still to ask memory for. */
+/* The matmuls' requests for a later weight panel (f32_linear.inc, bf16_dot_linear.inc), and
+ * the attention kernel's for a later tile's values: the cache lines from `at` up to `end`
+ * still to ask memory for. */
 typedef struct {
     const char *at, *end;
 } line_run;
@@ -65,6 +66,24 @@ static inline void ask_lines(line_run *run, int count) {
         run->at += 64;
     }
 }
+
+/* the same into the outer caches (prefetcht2), not L1 */
+static inline void ask_lines_outer(line_run *run, int count) {
+    for (int line = 0; line < count && run->at < run->end; line++) {
+        __builtin_prefetch(run->at, 0, 1);
+        run->at += 64;
+    }
+}
+
+/* The attention kernel's requests for one KV head's keys and values of the next tile, made a
+ * line or two at a time while the current tile computes (paged_attention.inc) */
+typedef struct {
+    const char *keys;      /* its dimension 0 key row; NULL: nothing to ask for */
+    int64_t key_row_bytes; /* bytes from one dimension's key row to the next */
+    int64_t rows_per_line; /* key rows per cache line (a power of 2) */
+    line_run values;       /* its values, one run */
+    int values_per_step;   /* value lines asked for per step of the values' loop */
+} tile_ahead;
 
 /* The matmuls' share of work between their threads: items (a chunk of rows x a block of
  * columns, a chunk's blocks numbered in a row) claimed from one shared count `*claimed`, up
@@ -215,8 +234,7 @@ static inline float exp_clamped(float x) {
 #define MAX_TILE_ROWS 48             /* query rows (queries x heads of a KV group) per item */
 #define MAX_QUERY_TILE 16            /* queries of one request per attention work item */
 #ifndef PREFETCH_TILES
-#define PREFETCH_TILES 3 /* key tiles the attention kernel asks memory for ahead of use
-                            (2 -> 3 with the outer-cache hint: 8.5 -> 7.9 ms, bfloat16, below) */
+#define PREFETCH_TILES 1 /* tiles ahead whose keys and values the attention kernel asks for */
 #endif
 #define MAX_HEAD_DIM 256             /* the attention kernel's largest head dimension, a
                                         multiple of KEY_TILE as every head dimension must be */
