@@ -48,12 +48,9 @@ class ClusterNodeConnection(aioredis.Connection):
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         try:
             await super().send_packed_command(command, check_health)
-        except RuntimeError as exc:
-            if "closed" not in str(exc):
-                raise
-            raise redis.ConnectionError(f"writing to a closed connection: {exc}") from exc
-        except AttributeError as exc:
-            if "'NoneType'" not in str(exc):
+        except (RuntimeError, AttributeError) as exc:
+            closed = "closed" if isinstance(exc, RuntimeError) else "'NoneType'"
+            if closed not in str(exc):
                 raise
             raise redis.ConnectionError(f"writing to a closed connection: {exc}") from exc
 

@@ -8,6 +8,7 @@ disconnect dropped the stream writer raises AttributeError there, which ended it
 from __future__ import annotations
 
 import shutil
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -20,6 +21,14 @@ pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
 ]
+
+
+@pytest.fixture
+def redis_port(redis_url) -> int:
+    """The port of the test's Redis (its URL is redis://127.0.0.1:PORT/DB)."""
+    port = urlsplit(redis_url).port
+    assert port is not None
+    return port
 
 
 async def _write_after_close(connection_class: type[aioredis.Connection], port: int) -> None:
@@ -38,11 +47,10 @@ async def _write_after_close(connection_class: type[aioredis.Connection], port: 
     ("connection_class", "raised"),
     [(ClusterNodeConnection, redis.ConnectionError), (aioredis.Connection, RuntimeError)],
 )
-def test_a_write_to_a_closed_connection_is_a_lost_connection(redis_url, connection_class, raised):
+def test_a_write_to_a_closed_connection_is_a_lost_connection(redis_port, connection_class, raised):
     pytest.importorskip("uvloop")
-    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
     with pytest.raises(raised, match="closed"):
-        aio.run(_write_after_close(connection_class, port))
+        aio.run(_write_after_close(connection_class, redis_port))
 
 
 class _ClosedUnderIt:
@@ -72,8 +80,7 @@ async def _write_after_disconnect(connection_class: type[aioredis.Connection], p
     ],
 )
 def test_a_write_after_a_disconnect_under_it_is_a_lost_connection(
-    redis_url, connection_class, raised, match
+    redis_port, connection_class, raised, match
 ):
-    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
     with pytest.raises(raised, match=match):
-        aio.run(_write_after_disconnect(connection_class, port))
+        aio.run(_write_after_disconnect(connection_class, redis_port))
