@@ -243,6 +243,19 @@ def primaries_moved(port: int) -> int:
     return int(found.group(1))
 
 
+def _switches_seen(printed, redis_cluster: RedisCluster) -> str:
+    """The services' lines on primaries that moved, and each node's CLUSTER NODES now: what a
+    switch count other than the faults' was made of."""
+    lines = [line for line in list(printed) if "now serves the slots" in line]
+    for port in redis_cluster.ports:
+        try:
+            nodes = redis.Redis(port=port, socket_timeout=2).execute_command("CLUSTER NODES")
+        except redis.RedisError as exc:
+            nodes = exc
+        lines.append(f"CLUSTER NODES of {port}: {nodes}\n")
+    return "".join(lines)
+
+
 def _why_stuck(launcher_pid: int, progress: list[list[dict]], printed) -> str:
     """What the streams got and what each service was doing (their SIGUSR1 stack dumps go to
     the launcher's output), for a run that hung."""
@@ -273,7 +286,8 @@ def test_streams_go_on_through_failovers_of_the_nodes(served, redis_cluster, fau
         )
     except TimeoutError:
         pytest.fail(_why_stuck(launcher.pid, progress, printed))
-    assert primaries_moved(port) == switches + 2  # the lanes' node's, then the groups' node's
+    # the lanes' node's, then the groups' node's
+    assert primaries_moved(port) == switches + 2, _switches_seen(printed, redis_cluster)
     # no service died (and was restarted)
     assert children_of(launcher.pid) == children, "".join(printed)
     print(f"failovers took {seconds[0]:.1f} and {seconds[1]:.1f} s")
