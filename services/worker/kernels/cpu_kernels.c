@@ -172,13 +172,24 @@ static inline float sum_lanes(vecw v) {
     return lanes[0];
 }
 
+/* LANES bfloat16 widened to floats. GCC 12 built __builtin_convertvector of 16 as two halves
+ * (a load, vpmovzxwd of each half, vinserti64x4): one vpmovzxwd from memory here made a
+ * 1024-token bfloat16 prompt's attention x0.92 (30 layers, 2 Zen 5 cores, kernel_ab) */
 static inline vecw loadw_bf16(const bf16_t *p) {
+#if defined(__AVX512F__)
+    __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16);
+    return (vecw)_mm512_castsi512_ps(wide);
+#elif defined(__AVX2__)
+    __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)p)), 16);
+    return (vecw)_mm256_castsi256_ps(wide);
+#else
     u16xw raw;
     memcpy(&raw, p, sizeof raw);
     u32xw wide = __builtin_convertvector(raw, u32xw) << 16;
     vecw v;
     memcpy(&v, &wide, sizeof v);
     return v;
+#endif
 }
 
 static inline float bf16_to_float(bf16_t x) {
@@ -223,11 +234,14 @@ static inline float exp_clamped(float x) {
 /* query rows the attention kernel computes together. AVX512: a prompt chunk's 48 rows per KV
  * head (16 queries x 3 heads) in 8 groups of 6 instead of 12 of 4 read each key and value tile
  * fewer times (4 prompts of 128 tokens, 30 layers, 2 Zen 4 cores, kernel_ab in turns:
- * x0.897-0.944; 8 rows: x0.991, 5: x0.993, 7: x0.949). AVX2's 16 vector registers do not hold
+ * x0.897-0.944; 8 rows: x0.991, 5: x0.993, 7: x0.949); 6 of 8 rows, with the scores' 8
+ * independent FMA chains where 6 left the FMA units waiting on their latency, once a tile's
+ * softmax cost less (paged_attention.inc): a 1024-token bfloat16 prompt x0.956, 4 prompts of
+ * 128 x0.98 (2 Zen 5 cores), decodes unchanged (3 rows). AVX2's 16 vector registers do not hold
  * 6 rows' scores and sums: on 2 Zen 3 cores 4 rows took x0.856-0.889 of 6's time (5: x1.11),
  * though the AVX2 build on a Zen 4 core liked 6 (x0.939) */
 #ifdef __AVX512F__
-#define ROWS_MAX 6
+#define ROWS_MAX 8
 #else
 #define ROWS_MAX 4
 #endif
