@@ -102,6 +102,21 @@ class RedisCluster:
         except LookupError:
             return False
 
+    def _taken_over(self, key: str, replica: int) -> bool:
+        """The replica on `replica` serves `key`'s slot and every live node knows the cluster
+        is whole again: a node that has not heard of the failover yet answers CLUSTERDOWN to
+        every command (a request sent to it just after a kill once got a 503 in the test)."""
+        if not self._serves(key, replica):
+            return False
+        alive = [port for port, p in zip(self.ports, self.processes) if p.poll() is None]
+        return all(
+            redis.Redis(port=port, socket_timeout=1, decode_responses=True)
+            .cluster("info")
+            .get("cluster_state")
+            == "ok"
+            for port in alive
+        )
+
     def _client(self) -> redis.Redis:
         """A client of the first live node."""
         alive = [port for port, p in zip(self.ports, self.processes) if p.poll() is None]
@@ -122,7 +137,7 @@ class RedisCluster:
         replica = redis.Redis(port=primary).info("replication")["slave0"]["port"]
         started = time.monotonic()
         redis.Redis(port=replica).execute_command("CLUSTER", "FAILOVER")
-        wait_until(lambda: self._serves(key, replica), timeout, f"failover to {replica}")
+        wait_until(lambda: self._taken_over(key, replica), timeout, f"failover to {replica}")
         return time.monotonic() - started
 
     def kill(
@@ -147,7 +162,7 @@ class RedisCluster:
         if late_s:
             time.sleep(late_s)
             held.send_signal(signal.SIGCONT)
-        wait_until(lambda: self._serves(key, replica), timeout, f"failover to {replica}")
+        wait_until(lambda: self._taken_over(key, replica), timeout, f"failover to {replica}")
         return time.monotonic() - started
 
     def stop(self) -> None:
