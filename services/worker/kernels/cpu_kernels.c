@@ -163,6 +163,19 @@ static inline vecw loadw_float(const float *p) {
     return v;
 }
 
+/* whether any lane of v is above x */
+static inline int any_above(vecw v, float x) {
+#if defined(__AVX512F__)
+    return _mm512_cmp_ps_mask((__m512)v, _mm512_set1_ps(x), _CMP_GT_OQ) != 0;
+#elif defined(__AVX__)
+    return _mm256_movemask_ps(_mm256_cmp_ps((__m256)v, _mm256_set1_ps(x), _CMP_GT_OQ)) != 0;
+#else
+    int above = 0;
+    for (int lane = 0; lane < LANES; lane++) above |= v[lane] > x;
+    return above;
+#endif
+}
+
 /* the sum of v's lanes, halves added pairwise (the same order every time) */
 static inline float sum_lanes(vecw v) {
     float lanes[LANES];
