@@ -31,6 +31,11 @@ class LaterAttempts:
             waiting is not None and waiting[0].attempt >= message.attempt
         )
 
+    def entry_of(self, request_id: str) -> bytes | None:
+        """The entry id of the attempt waiting for `request_id` (None: none waits)."""
+        waiting = self._waiting.get(request_id)
+        return waiting[1] if waiting is not None else None
+
     def wait(self, pulled: Pulled) -> None:
         self._waiting[pulled[0].request_id] = pulled
 

@@ -214,6 +214,11 @@ class RequestIntake:
         if self.aborts.covers(message.request_id, message.attempt) or (
             message.deadline and message.deadline < time.time()
         ):
+            log.info(
+                "request %s: attempt %d dropped as it was taken (aborted or past its deadline)",
+                message.request_id,
+                message.attempt,
+            )
             await self.ack([(lane, entry_id)])
             return None
         return message, entry_id, lane

@@ -65,16 +65,20 @@ class Scheduler:
         return len(self.requests)
 
     def add(self, message: GenerateRequest, entry_id: bytes, stream: str = "") -> bool:
-        """A request pulled from the stream; False when it is no later an attempt than the one
-        held (a redelivery, or a stale copy): the caller acknowledges the entry. A later
-        attempt replaces the held one (services/scheduler/attempts.py)."""
+        """A request pulled from the stream; False when it is a copy of no later an attempt
+        than the one held or waiting: the caller acknowledges its entry (a redelivery of the
+        entry held or waiting is no copy). A later attempt replaces the held one
+        (services/scheduler/attempts.py)."""
         held = self.requests.get(message.request_id)
         if self._later_attempts.refuses(message, held.message.attempt if held else None):
-            return False
+            waiting = self._later_attempts.entry_of(message.request_id)
+            return entry_id in (held.entry_id if held else None, waiting)
         if held is None and message.request_id not in self._later_attempts:
             self._add_new(message, entry_id, stream)
             return True
         if held is not None:
+            new, old = message.attempt, held.message.attempt
+            log.info("request %s: attempt %d replaces attempt %d", message.request_id, new, old)
             self._end(held, RequestStatus.ABORTED)
         self._later_attempts.wait((message, entry_id, stream))
         self._add_later_attempts()

@@ -281,19 +281,18 @@ class SchedulerService:
         await self._add(taken)
 
     async def _add(self, taken: list[Taken]) -> None:
-        """Hand `taken` to the scheduler; the entries of requests it holds already (a copy a
-        gateway re-submitted after losing Redis) are acknowledged away."""
+        """Hand `taken` to the scheduler; copies of requests it holds already (a gateway
+        re-submitted them after losing Redis) are acknowledged away."""
         scheduler = self.scheduler
         assert scheduler is not None
-        held = []
+        copies = []
         for message, entry_id, lane in taken:
-            if scheduler.add(message, entry_id, lane):
-                continue
-            if scheduler.requests[message.request_id].entry_id != entry_id:  # not a redelivery
-                held.append((lane, entry_id))
-        if held:
-            log.info("dropped %d copies of requests held already", len(held))
-            await self.intake.ack(held)
+            if not scheduler.add(message, entry_id, lane):
+                attempt = message.attempt
+                log.info("request %s: dropped a copy of attempt %d", message.request_id, attempt)
+                copies.append((lane, entry_id))
+        if copies:
+            await self.intake.ack(copies)
 
     async def _claim(self) -> None:
         """Take over requests of schedulers that went silent (at most every CLAIM_INTERVAL_S)."""

@@ -90,6 +90,9 @@ async def _many(urls: list[str], cases: list[tuple[str, int]]) -> list[dict]:
         return list(await asyncio.gather(*first, *second))
 
 
+DECODE = 400  # tokens of the requests decoding while the long prompt comes
+
+
 def test_long_prompt_is_chunked_while_others_decode(tiny_cluster, tiny_llama):
     long_prompt = prompt_text(3, 150)  # several times the 64-token prefill budget
     assert len(tokenizer(tiny_llama)(long_prompt).input_ids) > 3 * 64
@@ -99,16 +102,21 @@ def test_long_prompt_is_chunked_while_others_decode(tiny_cluster, tiny_llama):
         async with httpx.AsyncClient() as client:
             url = tiny_cluster.gateway_urls[0]
             decoders = [
-                asyncio.create_task(generate(client, url, prompt_text(i, 4), 60)) for i in range(4)
+                asyncio.create_task(generate(client, url, prompt_text(i, 4), DECODE))
+                for i in range(4)
             ]
-            await asyncio.sleep(0.5)  # they are decoding now
+            # they are decoding now (stats lag by up to 0.25 s; a fixed 0.5 s sleep could
+            # outlast decodes of 60 tokens: one stream made 960 tokens in ~0.55 s on 2 Zen 5
+            # cores)
+            while sum(s.num_running for s in tiny_cluster.stats().values()) < len(decoders):
+                await asyncio.sleep(0.01)
             long = await generate(client, url, long_prompt, 10)
             return long, await asyncio.gather(*decoders)
 
     long, decoders = asyncio.run(scenario())
     assert generated_ids(long) == greedy_ids(tiny_llama, long_prompt, 10, [2])
     for i, body in enumerate(decoders):
-        assert generated_ids(body) == greedy_ids(tiny_llama, prompt_text(i, 4), 60, [2])
+        assert generated_ids(body) == greedy_ids(tiny_llama, prompt_text(i, 4), DECODE, [2])
     after = tiny_cluster.wait_idle()
     chunks = sum(after[g].num_prefill_chunks - before[g].num_prefill_chunks for g in after)
     mixed = sum(after[g].num_mixed_steps - before[g].num_mixed_steps for g in after)

@@ -228,15 +228,21 @@ def test_decoder_input_details_match_transformers_log_softmax(url, tiny_llama):
 
 def test_21_22_overload_and_disconnect_release(tiny_cluster):
     url = tiny_cluster.add_gateway("--max-concurrent-requests", "1")
-    long = {"inputs": "the cat", "parameters": {"max_new_tokens": 300}}
+    long = {"inputs": "the cat", "parameters": {"max_new_tokens": 480}}
 
     async def scenario():
+        # the others go while the first streams (a fixed sleep for it to start used up 300
+        # tokens' time on a fast host: the first had ended and the second got a 200)
         async with httpx.AsyncClient(timeout=60) as client:
-            first = asyncio.ensure_future(client.post(f"{url}/generate", json=long))
-            await asyncio.sleep(0.3)
-            second = await client.post(f"{url}/generate", json={"inputs": "Hi"})
-            stream = await client.post(f"{url}/generate_stream", json={"inputs": "Hi"})
-            await first
+            async with client.stream("POST", f"{url}/generate_stream", json=long) as first:
+                lines = first.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data:"):
+                        break
+                second = await client.post(f"{url}/generate", json={"inputs": "Hi"})
+                stream = await client.post(f"{url}/generate_stream", json={"inputs": "Hi"})
+                async for _ in lines:
+                    pass
             return second, stream
 
     second, stream = asyncio.run(scenario())

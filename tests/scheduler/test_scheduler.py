@@ -154,6 +154,7 @@ def test_a_later_attempt_replaces_the_held_request_once_its_step_is_back():
     (ended,) = s.take_ended()
     assert ended.status == RequestStatus.ABORTED and ended.entry_id == b"1-0"
     assert not s.add(resumed, b"3-0") and not s.add(first, b"4-0")  # stale or equal copies
+    assert s.add(resumed, b"2-0")  # the waiting attempt's entry again: nothing to acknowledge
     stale = RequestOutput(request_id=first.request_id, token_ids=[99])
     s.update(StepResult(step_id=in_flight.step_id, outputs=[stale]))  # attempt 0's token
     held = s.requests[first.request_id]
@@ -161,7 +162,7 @@ def test_a_later_attempt_replaces_the_held_request_once_its_step_is_back():
     plan = s.schedule()
     assert plan.released_ids == [first.request_id]  # the worker drops attempt 0 first
     assert [r.request_id for r in plan.new_requests] == [first.request_id]
-    assert not s.add(first, b"5-0")
+    assert not s.add(first, b"5-0") and s.add(resumed, b"2-0")  # a copy; the held entry again
 
 
 def test_an_abort_below_an_attempt_spares_that_attempt():
