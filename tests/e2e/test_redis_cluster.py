@@ -274,9 +274,20 @@ def _switches_seen(printed, redis_cluster: RedisCluster) -> str:
     return "".join(lines)
 
 
-def _why_stuck(launcher_pid: int, progress: list[list[dict]], printed) -> str:
-    """What the streams got and what each service was doing (their SIGUSR1 stack dumps go to
-    the launcher's output), for a run that hung."""
+def _why_stuck(
+    launcher_pid: int, progress: list[list[dict]], printed, redis_url: str | None = None
+) -> str:
+    """What the streams got, what each group's scheduler holds (`textgen queue`: a scheduler
+    that holds requests it never plans spins, one that holds none blocks on the lanes) and
+    what each service was doing (their SIGUSR1 stack dumps go to the launcher's output), for
+    a run that hung."""
+    queue = ""
+    if redis_url is not None:
+        try:
+            groups = queue_json(redis_url, "textgen", "--redis-cluster")["groups"]
+            queue = f"groups as `textgen queue` shows them: {groups}\n"
+        except Exception as exc:  # the diagnosis must not hide the hang
+            queue = f"no `textgen queue`: {exc!r}\n"
     for child in children_of(launcher_pid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGUSR1)
@@ -284,7 +295,7 @@ def _why_stuck(launcher_pid: int, progress: list[list[dict]], printed) -> str:
     got = [
         (events[-1].get("index"), "error" in events[-1]) if events else None for events in progress
     ]
-    return f"streams stuck; last (index, error) of each: {got}\n" + "".join(printed)
+    return f"streams stuck; last (index, error) of each: {got}\n" + queue + "".join(printed)
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
@@ -303,7 +314,7 @@ def test_streams_go_on_through_failovers_of_the_nodes(served, redis_cluster, fau
             asyncio.wait_for(_through_failovers(port, redis_cluster, fault, progress), 240)
         )
     except TimeoutError:
-        pytest.fail(_why_stuck(launcher.pid, progress, printed))
+        pytest.fail(_why_stuck(launcher.pid, progress, printed, redis_cluster.url))
     # the lanes' node's, then the groups' node's
     assert_switches(port, switches + 2, printed, redis_cluster)
     # no service died (and was restarted)
