@@ -334,7 +334,9 @@ class SchedulerService:
         for request in ended:
             self.metrics.ended.labels(request.status.name.lower()).inc()
             self._trace(request, now)
-            log.debug("request %s ended: %s", request.request_id, request.status.name)
+            level = logging.INFO if request.message.attempt else logging.DEBUG  # resumed: rare
+            what = (request.request_id, request.message.attempt, request.status.name)
+            log.log(level, "request %s attempt %d ended: %s", *what)
         if failed:
             await self._publish_errors(failed)
 
