@@ -108,8 +108,7 @@ def test_long_prompt_is_chunked_while_others_decode(tiny_cluster, tiny_llama):
             # they are decoding now (stats lag by up to 0.25 s; a fixed 0.5 s sleep could
             # outlast decodes of 60 tokens: one stream made 960 tokens in ~0.55 s on 2 Zen 5
             # cores)
-            while sum(s.num_running for s in tiny_cluster.stats().values()) < len(decoders):
-                await asyncio.sleep(0.01)
+            await tiny_cluster.wait_running(len(decoders))
             long = await generate(client, url, long_prompt, 10)
             return long, await asyncio.gather(*decoders)
 

@@ -28,11 +28,6 @@ def full_cluster(redis_url, tiny_llama):
         cluster.stop()
 
 
-async def wait_running(cluster: Cluster) -> None:
-    while not cluster.stats().get("g0") or cluster.stats()["g0"].num_running == 0:
-        await asyncio.sleep(0.01)
-
-
 def test_lanes_order_the_queue(full_cluster):
     url = full_cluster.gateway_urls[0]
     finished: list[str] = []
@@ -50,7 +45,7 @@ def test_lanes_order_the_queue(full_cluster):
     async def scenario():
         async with httpx.AsyncClient(timeout=120) as client:
             blocker = asyncio.ensure_future(send(client, "blocker", None, 400))
-            await wait_running(full_cluster)
+            await full_cluster.wait_running()
             queued = []
             for name, priority in (("normal-1", None), ("low", -1), ("normal-2", 0), ("high", 5)):
                 queued.append(asyncio.ensure_future(send(client, name, priority, 3)))
@@ -83,7 +78,7 @@ def test_queue_wait_deadline_answers_503_and_the_request_never_runs(full_cluster
     async def scenario():
         async with httpx.AsyncClient(timeout=120) as client:
             blockers = [block(client, 0)]
-            await wait_running(full_cluster)
+            await full_cluster.wait_running()
             # a second one, more urgent than the impatient request, runs before it: the wait
             # is two blockers long: their 960 tokens took ~0.55 s on 2 Zen 5 cores, the fastest
             # host seen (blockers of 400 tokens ended within a 0.5 s wait there)

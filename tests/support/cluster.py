@@ -3,6 +3,7 @@ N worker groups (worker + scheduler each) and M gateways, each on its own port."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -140,6 +141,12 @@ class Cluster:
             if data is not None:
                 out[group] = decode(data, SchedulerStats)
         return out
+
+    async def wait_running(self, count: int = 1) -> None:
+        """Until the groups' stats show `count` requests running (they lag by up to the
+        scheduler's STATS_INTERVAL_S)."""
+        while sum(s.num_running for s in self.stats().values()) < count:
+            await asyncio.sleep(0.01)
 
     def wait_idle(self, timeout: float = 30.0) -> dict[str, SchedulerStats]:
         """Stats once every group has no request and every block is free again."""

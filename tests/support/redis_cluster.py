@@ -106,21 +106,15 @@ class RedisCluster:
         """The replica on `replica` serves `key`'s slot and every live node knows the cluster
         is whole again: a node that has not heard of the failover yet answers CLUSTERDOWN to
         every command (a request sent to it just after a kill once got a 503 in the test)."""
-        if not self._serves(key, replica):
-            return False
-        alive = [port for port, p in zip(self.ports, self.processes) if p.poll() is None]
-        return all(
-            redis.Redis(port=port, socket_timeout=1, decode_responses=True)
-            .cluster("info")
-            .get("cluster_state")
-            == "ok"
-            for port in alive
-        )
+        return self._serves(key, replica) and all(map(_cluster_state_ok, self._alive()))
+
+    def _alive(self) -> list[int]:
+        """The ports of the nodes whose process still runs."""
+        return [port for port, p in zip(self.ports, self.processes) if p.poll() is None]
 
     def _client(self) -> redis.Redis:
         """A client of the first live node."""
-        alive = [port for port, p in zip(self.ports, self.processes) if p.poll() is None]
-        return redis.Redis(port=alive[0], decode_responses=True)
+        return redis.Redis(port=self._alive()[0], decode_responses=True)
 
     def _slots(self) -> list:
         """CLUSTER SLOTS: [first, last, primary, replicas...] per range."""
@@ -170,8 +164,7 @@ class RedisCluster:
 
     def _is_ok(self) -> bool:
         for port in self.ports:
-            info = redis.Redis(port=port, socket_timeout=1, decode_responses=True).cluster("info")
-            if info.get("cluster_state") != "ok":
+            if not _cluster_state_ok(port):
                 return False
             replication = redis.Redis(port=port, socket_timeout=1).info("replication")
             online = [replication.get(f"slave{i}", {}).get("state") for i in range(self.replicas)]
@@ -180,3 +173,9 @@ class RedisCluster:
             if replication["role"] == "slave" and replication["master_link_status"] != "up":
                 return False
         return True
+
+
+def _cluster_state_ok(port: int) -> bool:
+    """The node on `port` says cluster_state:ok (it serves, every slot has a primary)."""
+    info = redis.Redis(port=port, socket_timeout=1, decode_responses=True).cluster("info")
+    return info.get("cluster_state") == "ok"
