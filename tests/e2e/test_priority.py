@@ -28,6 +28,9 @@ def full_cluster(redis_url, tiny_llama):
         cluster.stop()
 
 
+QUEUED = (("normal-1", None), ("low", -1), ("normal-2", 0), ("high", 5))  # arrival order
+
+
 def test_lanes_order_the_queue(full_cluster):
     url = full_cluster.gateway_urls[0]
     finished: list[str] = []
@@ -37,24 +40,35 @@ def test_lanes_order_the_queue(full_cluster):
         if priority is not None:
             parameters["priority"] = priority
         response = await client.post(
-            f"{url}/generate", json={"inputs": "the cat", "parameters": parameters}
+            "/generate", json={"inputs": "the cat", "parameters": parameters}
         )
         assert response.status_code == 200, response.text
         finished.append(name)
 
     async def scenario():
-        async with httpx.AsyncClient(timeout=120) as client:
-            blocker = asyncio.ensure_future(send(client, "blocker", None, 400))
-            await full_cluster.wait_running()
-            queued = []
-            for name, priority in (("normal-1", None), ("low", -1), ("normal-2", 0), ("high", 5)):
-                queued.append(asyncio.ensure_future(send(client, name, priority, 3)))
-                await asyncio.sleep(0.05)  # arrival order
-            await asyncio.gather(blocker, *queued)
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            body = {"inputs": "the cat", "parameters": {"max_new_tokens": 400}}
+            async with client.stream("POST", "/generate_stream", json=body) as blocker:
+                assert blocker.status_code == 200
+                events = (line async for line in blocker.aiter_lines() if line)
+                await anext(events)  # the blocker runs: the scheduler reads without waiting
+                # the scheduler stopped while the four arrive, so that they queue on any host
+                # (on 2 Zen 5 cores the blocker's 400 tokens once ended before "high" came)
+                with full_cluster.paused("scheduler-g0"):
+                    before = full_cluster.lane_entries()
+                    queued = []
+                    for name, priority in QUEUED:
+                        queued.append(asyncio.ensure_future(send(client, name, priority, 3)))
+                        while full_cluster.lane_entries() < before + len(queued):
+                            await asyncio.sleep(0.01)  # in the lanes: the arrival order
+                async for _ in events:
+                    pass
+            finished.append("blocker")
+            await asyncio.gather(*queued)
 
     asyncio.run(scenario())
-    # the lanes' order; the blocker ran first, but its 400-token answer and the next one's
-    # 3 tokens can reach this client in either order (a CI run once saw "high" a few ms first)
+    # the lanes' order; the blocker ran first, but its answer and the next one's 3 tokens can
+    # reach this client in either order
     assert [name for name in finished if name != "blocker"] == [
         "high",
         "normal-1",

@@ -4,12 +4,14 @@ N worker groups (worker + scheduler each) and M gateways, each on its own port."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,6 +133,22 @@ class Cluster:
         for name, process in self.processes.items():
             if process.poll() is not None:
                 raise RuntimeError(f"{name} exited with {process.returncode}\n{self.log_tails()}")
+
+    @contextlib.contextmanager
+    def paused(self, name: str) -> Iterator[None]:
+        """Service `name` stopped (SIGSTOP) for the block and resumed after it: what arrives
+        meanwhile waits for it, whatever the host's speed."""
+        process = self.processes[name]
+        process.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            process.send_signal(signal.SIGCONT)
+
+    def lane_entries(self) -> int:
+        """Entries in the lanes' streams, taken or not (a paused scheduler takes none)."""
+        client = redis.Redis.from_url(self.redis_url)
+        return sum(client.xlen(lane) for lane in Channels(self.namespace).lanes)
 
     def stats(self) -> dict[str, SchedulerStats]:
         client = redis.Redis.from_url(self.redis_url)
