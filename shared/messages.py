@@ -179,6 +179,7 @@ class StepPlan(Message):
     """One forward pass for a worker group: what to compute, with which blocks."""
 
     step_id: int  # increasing within a scheduler session; echoed in StepResult
+    session: str = ""  # the scheduler session that planned it (random); echoed in StepResult
     reset: bool = False  # first plan of a scheduler session: drop every request held
     new_requests: list[NewRequest] = []  # requests to add, with their first chunk
     running: list[RunningRequest] = []  # requests continued from earlier steps
@@ -201,6 +202,7 @@ class StepResult(Message):
     """The worker's answer to one StepPlan."""
 
     step_id: int  # the plan this answers
+    session: str = ""  # that plan's scheduler session: a new session's step ids start again
     outputs: list[RequestOutput] = []  # one per scheduled request, in plan order
     num_tokens: int = 0  # tokens computed in the forward pass
     forward_s: float = 0.0  # seconds spent in the model forward

@@ -48,6 +48,12 @@ class SchedulerMetrics:
             "late when nothing else wakes it)",
             registry=r,
         )
+        self.stale_results = Counter(
+            "textgen_scheduler_stale_step_results",
+            "step results of an ended session (a plan the worker ran after the scheduler began "
+            "anew), dropped",
+            registry=r,
+        )
         self.step_tokens = Histogram(
             "textgen_scheduler_step_tokens",
             "tokens scheduled per step",

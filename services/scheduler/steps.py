@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
 
@@ -59,13 +60,17 @@ class StepChannel:
         self._is_decode_only: dict[int, bool] = {}  # step in flight -> one token per request
         self.running_since = 0.0  # perf_counter s the oldest step in flight began on the worker
         self.decode_step_s = 0.0  # running estimate of a decode-only step's duration (0: none)
+        self.session = ""  # this session's tag on its plans (reset draws a new one)
 
     @property
     def has_room(self) -> bool:
         return len(self.in_flight) < STEPS_IN_FLIGHT
 
     async def reset(self) -> None:
-        """A new session: forget outstanding plans and old results."""
+        """A new session: forget outstanding plans and old results. The worker may still
+        answer plans of the last session after this (their step ids come again in this one):
+        results of another session are dropped by their tag."""
+        self.session = uuid.uuid4().hex[:12]
         await self.redis.delete(self.channels.results(self.group))
         self._last_id = b"0-0"
         self.in_flight.clear()
@@ -76,6 +81,7 @@ class StepChannel:
         """XADD a plan for the worker; its result is awaited later (await_oldest). When this
         plan fills the steps in flight, the oldest result is awaited next: the same round trip
         then also blocks (up to RESULT_BLOCK_MS) for results, which await_oldest finds read."""
+        plan.session = self.session
         if not self.in_flight:  # the worker is idle: it starts this plan on receipt
             self.running_since = time.perf_counter()
         self.in_flight.append((plan.step_id, time.perf_counter()))
@@ -146,4 +152,8 @@ class StepChannel:
     def _keep_results(self, entries: list[tuple[bytes, StepResult]]) -> None:
         for entry_id, result in entries:
             self._last_id = entry_id
+            if result.session != self.session:
+                log.info("dropped the result of step %d of an ended session", result.step_id)
+                self.metrics.stale_results.inc()
+                continue
             self._results[result.step_id] = result

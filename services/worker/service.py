@@ -288,6 +288,7 @@ class WorkerService:
             self.on_plan(plan)
         outcome = self.runner.execute(plan)  # per-request spans: see ModelRunner
         result = outcome.result
+        result.session = plan.session
         self.metrics.step_duration.observe(result.step_s)
         self.metrics.forward_duration.observe(result.forward_s)
         self.metrics.sample_duration.observe(result.sample_s)

@@ -21,9 +21,11 @@ from services.scheduler.steps import (
     PLAN_AHEAD_FRACTION,
     StepChannel,
 )
+from shared.bus import stream_fields
 from shared.channels import Channels
 from shared.messages import (
     NewRequest,
+    RequestOutput,
     RunningRequest,
     SamplingParams,
     StepPlan,
@@ -93,6 +95,32 @@ async def test_the_next_plan_waits_a_share_of_a_decode_step(redis_client, namesp
     assert channel.plan_wait_s() == 0.0
     await answered(channel, StepResult(step_id=3, step_s=0.5))  # plan 4 runs from now
     assert 0 < channel.plan_wait_s() <= PLAN_AHEAD_FRACTION * channel.decode_step_s
+
+
+async def test_a_result_of_an_ended_session_is_not_taken_for_this_ones(redis_client, namespace):
+    """A new session (Redis failed over) numbers its plans from 0 again while the worker may
+    still answer the last session's plans: a Redis Cluster test once hung with requests the
+    scheduler held but never planned after such a session change."""
+    channels = Channels(namespace)
+    metrics = SchedulerMetrics()
+    channel = StepChannel(redis_client, channels, "g", metrics)
+    await channel.reset()
+    await channel.send(plan(0, 4))
+    ended = channel.session
+    await channel.reset()
+    await channel.send(plan(0, 4))
+    assert channel.session != ended
+    for session, token in ((ended, 7), (channel.session, 9)):  # as the worker answers them
+        output = RequestOutput(request_id="r0", token_ids=[token])
+        result = StepResult(step_id=0, session=session, outputs=[output])
+        await redis_client.xadd(channels.results("g"), stream_fields(result))
+
+    async def healthy() -> None:
+        return None
+
+    result = await channel.await_oldest(healthy, lambda: False)
+    assert result.outputs[0].token_ids == [9]
+    assert metrics.registry.get_sample_value("textgen_scheduler_stale_step_results_total") == 1
 
 
 async def test_short_decode_steps_are_planned_at_once(redis_client, namespace):
