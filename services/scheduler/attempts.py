@@ -24,6 +24,13 @@ class LaterAttempts:
     def __bool__(self) -> bool:
         return bool(self._waiting)
 
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def entries(self) -> list[tuple[str, bytes]]:
+        """(stream, entry id) of each waiting attempt: held by this scheduler too."""
+        return [(stream, entry_id) for _, entry_id, stream in self._waiting.values()]
+
     def refuses(self, message: GenerateRequest, held_attempt: int | None) -> bool:
         """`message` is no later than the attempt held (None: none) or waiting."""
         waiting = self._waiting.get(message.request_id)
@@ -39,9 +46,10 @@ class LaterAttempts:
     def wait(self, pulled: Pulled) -> None:
         self._waiting[pulled[0].request_id] = pulled
 
-    def ready(self, in_flight: set[str]) -> list[Pulled]:
-        """The waiting attempts no step in flight names, taken out."""
-        return [self._waiting.pop(r) for r in list(self._waiting) if r not in in_flight]
+    def ready(self, in_flight: set[str] | None = None) -> list[Pulled]:
+        """The waiting attempts no step in flight names (None: every one), taken out."""
+        names = in_flight or set()
+        return [self._waiting.pop(r) for r in list(self._waiting) if r not in names]
 
     def take_below(self, request_id: str, below_attempt: int) -> Pulled | None:
         """The waiting attempt of `request_id` an abort below `below_attempt` covers (0: any),

@@ -246,6 +246,6 @@ class RequestIntake:
             await pipe.execute()
         self.metrics.handed_back.inc(len(requests))
 
-    async def keep_fresh(self, requests: Iterable[SchedRequest]) -> None:
-        """Reset the held entries' idle time, so nobody claims them."""
-        await keep_fresh(self.redis, self.consumer, [(r.stream, r.entry_id) for r in requests])
+    async def keep_fresh(self, entries: list[tuple[str, bytes]]) -> None:
+        """Reset the held entries' (stream, entry id) idle time, so nobody claims them."""
+        await keep_fresh(self.redis, self.consumer, entries)

@@ -85,6 +85,20 @@ class SchedRequest:
         """Waiting-queue order: priority (high first), then arrival."""
         return (-self.message.priority, self.arrival)
 
+    def lookahead(self, num_tokens: int, num_speculative_tokens: int) -> int:
+        """KV slots to hold beyond a greedy decode of `num_tokens` for the worker's speculative
+        proposals (up to num_speculative_tokens each): that many per step in flight, since a
+        step planned before the previous one is answered starts where that one's accepted
+        proposals end. Never past the request's last token."""
+        n = num_speculative_tokens
+        if not n or num_tokens != 1 or not self.message.sampling.can_speculate:
+            return 0
+        if self.num_computed_tokens + 1 != self.num_known_tokens:
+            return 0  # not a decode (a prompt chunk ends here)
+        remaining = self.num_prompt_tokens + self.message.stopping.max_new_tokens
+        remaining -= self.num_computed_tokens + 1
+        return max(0, min(n * (1 + self.num_inflight_samples), remaining))
+
     def as_new(self, num_tokens: int) -> NewRequest:
         """What the worker needs to hold it, with `num_tokens` to compute in its first step."""
         message = self.message

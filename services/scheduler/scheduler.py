@@ -159,10 +159,18 @@ class Scheduler:
                 self._end(request, RequestStatus.FINISHED, is_on_worker_done=True)
 
     def withdraw(self, only_waiting: bool) -> None:
-        """End waiting (or all) requests as HANDED_BACK: the service requeues them."""
+        """End waiting (or all) requests as HANDED_BACK: the service requeues them; later
+        attempts waiting for a step in flight too (never sent to the worker)."""
+        for pulled in self._later_attempts.ready():
+            self._add_new(*pulled)
         for request in list(self.requests.values()):
             if not only_waiting or request.status == RequestStatus.WAITING:
                 self._end(request, RequestStatus.HANDED_BACK)
+
+    def held_entries(self) -> list[tuple[str, bytes]]:
+        """(stream, entry id) of every request held, later attempts waiting included."""
+        held = [(r.stream, r.entry_id) for r in self.requests.values()]
+        return held + self._later_attempts.entries()
 
     def take_ended(self) -> list[SchedRequest]:
         """Requests that ended since the last call (to acknowledge on the stream)."""
@@ -192,7 +200,8 @@ class Scheduler:
             if num_tokens <= 0:
                 index += 1
                 continue
-            new_block_ids = self._grow(request, num_tokens + self._lookahead(request, num_tokens))
+            lookahead = request.lookahead(num_tokens, self.config.num_speculative_tokens)
+            new_block_ids = self._grow(request, num_tokens + lookahead)
             if new_block_ids is None:  # no blocks left: preempt the newest request
                 victim = self.running[-1]
                 self._preempt(victim, scheduled)
@@ -266,19 +275,6 @@ class Scheduler:
             ):
                 request.error = f"a step that computed its cached prompt prefix failed: {error}"
                 self._end(request, RequestStatus.FAILED)
-
-    def _lookahead(self, request: SchedRequest, num_tokens: int) -> int:
-        """KV slots to hold beyond a greedy decode for the worker's speculative proposals: up to
-        N per step in flight, since a step planned before the previous one is answered starts
-        where that one's accepted proposals end. Never past the request's last token."""
-        n = self.config.num_speculative_tokens
-        if not n or num_tokens != 1 or not request.message.sampling.can_speculate:
-            return 0
-        if request.num_computed_tokens + 1 != request.num_known_tokens:
-            return 0  # not a decode (a prompt chunk ends here)
-        remaining = request.num_prompt_tokens + request.message.stopping.max_new_tokens
-        remaining -= request.num_computed_tokens + 1
-        return max(0, min(n * (1 + request.num_inflight_samples), remaining))
 
     def _grow(self, request: SchedRequest, num_tokens: int) -> list[int] | None:
         """Blocks to add so the request can compute num_tokens more; None if not enough."""
@@ -390,7 +386,7 @@ class Scheduler:
             group=group,
             at=self.clock(),
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self._later_attempts),
             num_blocks=self.blocks.num_blocks,
             num_free_blocks=self.blocks.num_free_blocks,
             num_cached_blocks=self.blocks.num_cached_blocks,

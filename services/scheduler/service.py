@@ -313,7 +313,7 @@ class SchedulerService:
             if scheduler is None:
                 continue
             try:
-                await self.intake.keep_fresh(list(scheduler.requests.values()))
+                await self.intake.keep_fresh(scheduler.held_entries())
             except REDIS_ERRORS as exc:
                 log.debug("could not refresh held entries: %s", exc)
 

@@ -155,6 +155,8 @@ def test_a_later_attempt_replaces_the_held_request_once_its_step_is_back():
     assert ended.status == RequestStatus.ABORTED and ended.entry_id == b"1-0"
     assert not s.add(resumed, b"3-0") and not s.add(first, b"4-0")  # stale or equal copies
     assert s.add(resumed, b"2-0")  # the waiting attempt's entry again: nothing to acknowledge
+    assert s.stats("g").num_waiting == 1  # counted while it waits (`textgen queue`)
+    assert s.held_entries() == [("", b"2-0")]  # kept fresh, so no other scheduler claims it
     stale = RequestOutput(request_id=first.request_id, token_ids=[99])
     s.update(StepResult(step_id=in_flight.step_id, outputs=[stale]))  # attempt 0's token
     held = s.requests[first.request_id]
@@ -163,6 +165,23 @@ def test_a_later_attempt_replaces_the_held_request_once_its_step_is_back():
     assert plan.released_ids == [first.request_id]  # the worker drops attempt 0 first
     assert [r.request_id for r in plan.new_requests] == [first.request_id]
     assert not s.add(first, b"5-0") and s.add(resumed, b"2-0")  # a copy; the held entry again
+
+
+def test_a_stop_hands_back_a_later_attempt_that_waits():
+    """A scheduler that stops while a later attempt waits for a step in flight requeues it with
+    the rest, rather than leaving its entry for another scheduler to claim much later."""
+    import msgspec
+
+    s = scheduler(num_blocks=8, block_size=4)
+    first = request(6, max_new_tokens=10)
+    s.add(first, b"1-0")
+    s.schedule()  # in flight
+    assert s.add(msgspec.structs.replace(first, attempt=1), b"2-0")
+    s.take_ended()
+    s.withdraw(only_waiting=True)
+    (handed_back,) = s.take_ended()
+    assert handed_back.status == RequestStatus.HANDED_BACK and handed_back.entry_id == b"2-0"
+    assert s.held_entries() == [] and s.stats("g").num_waiting == 0
 
 
 def test_an_abort_below_an_attempt_spares_that_attempt():
