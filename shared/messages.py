@@ -165,6 +165,7 @@ class NewRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
     scheduled_at: float = 0.0  # unix s the scheduler first scheduled it (queue time ends)
     traceparent: str = ""  # trace context, for the worker's spans
     adapter: AdapterRef | None = None  # from GenerateRequest: the LoRA adapter to apply
+    attempt: int = 0  # from GenerateRequest: echoed in its token events
 
 
 class RunningRequest(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -226,6 +227,7 @@ class TokenEvent(msgspec.Struct, omit_defaults=True, kw_only=True):
     request_id: str  # the request these tokens belong to
     index: int = 0  # 1-based index of token_ids[0] among the generated tokens
     token_ids: list[int] = []  # new tokens, in order
+    attempt: int = 0  # the request's attempt that made these tokens (GenerateRequest.attempt)
     logprobs: list[float] = []  # one per token in token_ids
     top_tokens: list[list[TopToken]] = []  # per token, top_n_tokens alternatives (if asked)
     finish_reason: FinishReason | None = None  # set on the request's last event

@@ -115,4 +115,5 @@ class SchedRequest:
             scheduled_at=self.scheduled_at,
             traceparent=message.traceparent,
             adapter=message.adapter,
+            attempt=message.attempt,
         )

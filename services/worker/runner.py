@@ -340,6 +340,7 @@ class ModelRunner:
                 request_id=state.request_id,
                 index=first_index,
                 token_ids=token_ids,
+                attempt=state.attempt,
                 logprobs=[sample.logprob for sample in taken],
                 top_tokens=[s.top_tokens for s in taken] if taken[0].top_tokens else [],
                 finish_reason=reason,

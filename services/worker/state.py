@@ -31,6 +31,7 @@ class RequestState:
     draft_ids: list[int] = field(default_factory=list)  # speculative proposals of this step
     grammar: RequestGrammar | None = None  # its constraint's matcher (services/worker/grammar.py)
     adapter: AdapterRef | None = None  # its LoRA adapter (services/worker/lora.py); None: base
+    attempt: int = 0  # NewRequest.attempt, echoed in its token events
 
     @classmethod
     def from_new(cls, new: NewRequest) -> RequestState:
@@ -48,6 +49,7 @@ class RequestState:
             num_scheduled_tokens=new.num_scheduled_tokens,
             is_resumed=bool(new.generated_ids),
             adapter=new.adapter,
+            attempt=new.attempt,
         )
 
     @property

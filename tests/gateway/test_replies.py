@@ -127,7 +127,7 @@ async def test_lost_subscription_tells_requests_in_flight_to_resume_once():
             assert told.request_id == f"r{i}" and told.error_type == RESUME
         await asyncio.sleep(0.4)  # lost again on every retry: still one RESUME until resumed
         assert all(queue.empty() for queue in queues)
-        router.resumed("r0")
+        router.resumed("r0", 1)
         router.lose_all()
         assert queues[0].get_nowait().error_type == RESUME
         assert queues[1].empty() and router.num_resumes == 4
@@ -149,8 +149,11 @@ def test_only_contiguous_indexes_are_delivered():
         (1, [5, 6], ""),
         (0, [], RESUME),
     ]
-    router.resumed("r")
-    router.dispatch(ReplyBatch(events=[event(3, [7, 8, 9])]))
+    router.resumed("r", 1)
+    # the old copy's late tokens past the gap are no loss once it was replaced: no RESUME
+    router.dispatch(ReplyBatch(events=[event(5, [9])]))
+    router.dispatch(ReplyBatch(events=[event(3, [7, 8, 9], attempt=1)]))
     router.dispatch(ReplyBatch(events=[event(4, [8, 9])]))
     received = [queue.get_nowait() for _ in range(queue.qsize())]
     assert [(e.index, e.token_ids) for e in received] == [(3, [7, 8, 9])]
+    assert router.num_resumes == 1

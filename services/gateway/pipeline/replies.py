@@ -48,6 +48,7 @@ class _Pending:
     queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
     num_delivered: int = 0  # highest token index handed to the queue
     is_resuming: bool = False  # told to resume and not re-submitted yet (one RESUME at a time)
+    attempt: int = 0  # the attempt last re-submitted: earlier ones' gaps ask no RESUME
 
 
 def without_duplicates(event: TokenEvent, num_delivered: int) -> TokenEvent | None:
@@ -111,11 +112,14 @@ class ReplyRouter:
     def unregister(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
 
-    def resumed(self, request_id: str) -> None:
-        """The request was re-submitted: a later loss or gap may resume it again."""
+    def resumed(self, request_id: str, attempt: int) -> None:
+        """The request was re-submitted as `attempt`: a later loss or gap may resume it again,
+        but a gap before late tokens of an earlier attempt is no loss (the new one makes the
+        same tokens; contiguous ones are still delivered)."""
         pending = self._pending.get(request_id)
         if pending is not None:
             pending.is_resuming = False
+            pending.attempt = attempt
 
     def dispatch(self, batch: ReplyBatch) -> None:
         for event in batch.events:
@@ -126,6 +130,9 @@ class ReplyRouter:
             if fresh is None:
                 continue
             if fresh.token_ids and fresh.index > pending.num_delivered + 1:
+                if event.attempt < pending.attempt:  # a replaced attempt's: no loss
+                    log.debug("%s: late tokens of attempt %d", event.request_id, event.attempt)
+                    continue
                 log.info(
                     "request %s: tokens from index %d, %d expected: resuming",
                     event.request_id,

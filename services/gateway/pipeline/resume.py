@@ -69,7 +69,7 @@ class Resumer:
                 except GatewayError as exc:  # unreachable or full: try again
                     last_error = exc.message
                 else:
-                    self.router.resumed(message.request_id)
+                    self.router.resumed(message.request_id, attempt)
                     self.attempts[message.request_id] = attempt
                     # earlier copies that survived stop now, wherever they run
                     self.abort(message.request_id, "resumed", attempt)
