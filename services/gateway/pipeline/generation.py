@@ -143,10 +143,9 @@ class Generator:
             span.set_attribute("error", exc.message)
             raise
         finally:
-            self.router.unregister(request_id)
-            if self.resumer.attempts.pop(request_id, None) is not None:  # a copy may run on
-                if outcome == "finished":
-                    outcome = "resumed"
+            # re-submitted: a copy of an earlier attempt may still run
+            if self.router.unregister(request_id) and outcome == "finished":
+                outcome = "resumed"
             if outcome in ("dropped", "deadline", "stop_sequence", "resumed"):
                 self._abort(request_id, outcome)
             if outcome == "dropped":

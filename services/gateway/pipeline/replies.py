@@ -48,7 +48,7 @@ class _Pending:
     queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
     num_delivered: int = 0  # highest token index handed to the queue
     is_resuming: bool = False  # told to resume and not re-submitted yet (one RESUME at a time)
-    attempt: int = 0  # the attempt last re-submitted: earlier ones' gaps ask no RESUME
+    attempt: int = 0  # last re-submitted as (0: never): earlier attempts' gaps ask no RESUME
 
 
 def without_duplicates(event: TokenEvent, num_delivered: int) -> TokenEvent | None:
@@ -109,8 +109,15 @@ class ReplyRouter:
         pending = self._pending[request_id] = _Pending()
         return pending.queue
 
-    def unregister(self, request_id: str) -> None:
-        self._pending.pop(request_id, None)
+    def unregister(self, request_id: str) -> int:
+        """Forget the request; the attempt it was last re-submitted as (0: never)."""
+        pending = self._pending.pop(request_id, None)
+        return pending.attempt if pending is not None else 0
+
+    def attempt(self, request_id: str) -> int:
+        """The attempt the request was last re-submitted as (0: never, or not registered)."""
+        pending = self._pending.get(request_id)
+        return pending.attempt if pending is not None else 0
 
     def resumed(self, request_id: str, attempt: int) -> None:
         """The request was re-submitted as `attempt`: a later loss or gap may resume it again,

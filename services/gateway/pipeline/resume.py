@@ -48,9 +48,6 @@ class Resumer:
         self.router = router
         self.metrics = metrics
         self.timeout_s = timeout_s  # --redis-resume-timeout
-        # requests re-submitted and still streaming -> their last attempt: a copy that
-        # survived may still run, so the request's end aborts it (Generator.stream)
-        self.attempts: dict[str, int] = {}
 
     async def resume(
         self, message: GenerateRequest, delivered: list[int], keepalive_s: float | None
@@ -59,7 +56,7 @@ class Resumer:
         every `keepalive_s` meanwhile. Raises a generation error when it cannot in time."""
         started = time.monotonic()
         give_up_at = min(message.deadline, time.time() + self.timeout_s)
-        attempt = self.attempts.get(message.request_id, message.attempt) + 1
+        attempt = max(self.router.attempt(message.request_id), message.attempt) + 1
         resumed = msgspec.structs.replace(message, generated_ids=list(delivered), attempt=attempt)
         delay, beat_at, last_error = 0.05, started, LOST_CONNECTION
         while True:
@@ -70,7 +67,6 @@ class Resumer:
                     last_error = exc.message
                 else:
                     self.router.resumed(message.request_id, attempt)
-                    self.attempts[message.request_id] = attempt
                     # earlier copies that survived stop now, wherever they run
                     self.abort(message.request_id, "resumed", attempt)
                     self.metrics.num_resumed_requests += 1
