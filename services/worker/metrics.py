@@ -55,6 +55,12 @@ class WorkerMetrics:
         self.accepted_tokens = Counter(
             "textgen_worker_speculative_accepted_tokens", "proposals greedy confirmed", registry=r
         )
+        self.skipped_plans = Counter(
+            "textgen_worker_skipped_plans",
+            "plans of an ended scheduler session not run: a new session's reset plan came "
+            "behind them",
+            registry=r,
+        )
         self.step_failures = Counter(
             "textgen_worker_step_failures", "steps that raised", registry=r
         )

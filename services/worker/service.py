@@ -49,6 +49,16 @@ RESULTS_MAXLEN = 1000
 STEP_COUNTS = ("graph_steps", "compiled_steps", "tiled_chunks")
 
 
+def skip_ended_sessions(plans: deque[StepPlan]) -> int:
+    """Drop the plans queued before the last reset plan and return how many: their scheduler
+    session ended (a Redis failure), the reset drops every request they would step, and the
+    new session drops their results by its tag."""
+    last_reset = max((i for i, plan in enumerate(plans) if plan.reset), default=0)
+    for _ in range(last_reset):
+        plans.popleft()
+    return last_reset
+
+
 class WorkerService:
     def __init__(
         self,
@@ -217,6 +227,9 @@ class WorkerService:
                     plans.append(entry_message(fields, StepPlan))
                 except Exception as exc:  # a poisoned entry must not stop the worker
                     self._dead_letter(link, entry_id, fields, exc)
+            if num_skipped := skip_ended_sessions(plans):
+                log.info("skipped %d plans of an ended scheduler session", num_skipped)
+                self.metrics.skipped_plans.inc(num_skipped)
             if not entries and is_stopping and not self.runner.requests:
                 break
             if not entries:  # idle: the unloaded adapters go now, not at the next step

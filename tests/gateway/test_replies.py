@@ -139,7 +139,8 @@ def test_only_contiguous_indexes_are_delivered():
     """Tokens 1-2, then 4-5 (3 was published while nobody listened): 4-5 are dropped and the
     request is told to resume; its resumed copy's 3-5 then go through, and 4-5 of the old copy
     once more are duplicates."""
-    router = ReplyRouter(client=None, channel="c")
+    replaced = []
+    router = ReplyRouter(client=None, channel="c", on_replaced_tokens=lambda: replaced.append(1))
     queue = router.register("r")
     router.dispatch(ReplyBatch(events=[event(1, [5, 6])]))
     router.dispatch(ReplyBatch(events=[event(4, [8, 9])]))
@@ -156,4 +157,4 @@ def test_only_contiguous_indexes_are_delivered():
     router.dispatch(ReplyBatch(events=[event(4, [8, 9])]))
     received = [queue.get_nowait() for _ in range(queue.qsize())]
     assert [(e.index, e.token_ids) for e in received] == [(3, [7, 8, 9])]
-    assert router.num_resumes == 1
+    assert router.num_resumes == 1 and len(replaced) == 1

@@ -82,6 +82,7 @@ class ReplyRouter:
         resume: bool = True,
         on_epoch_change: Callable[[], None] = lambda: None,
         master: MasterWatch | None = None,
+        on_replaced_tokens: Callable[[], None] = lambda: None,
     ):
         self.client = client
         self.channel = channel
@@ -94,6 +95,8 @@ class ReplyRouter:
         self.master = master or MasterWatch(None, "")
         self.resume = resume  # on a lost subscription, resume the requests (else fail them)
         self.num_resumes = 0  # RESUME events sent (lost subscriptions and gaps)
+        # called per event of a replaced attempt dropped past a gap (its new attempt makes them)
+        self.on_replaced_tokens = on_replaced_tokens
         self.is_subscribed = False
         self._pending: dict[str, _Pending] = {}
         self._task: asyncio.Task | None = None
@@ -139,6 +142,7 @@ class ReplyRouter:
             if fresh.token_ids and fresh.index > pending.num_delivered + 1:
                 if event.attempt < pending.attempt:  # a replaced attempt's: no loss
                     log.debug("%s: late tokens of attempt %d", event.request_id, event.attempt)
+                    self.on_replaced_tokens()
                     continue
                 log.info(
                     "request %s: tokens from index %d, %d expected: resuming",
