@@ -19,6 +19,7 @@ import json
 import sys
 import time
 from collections.abc import Coroutine
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ from services.bench.workload import (
     tokenizer_counter,
 )
 from shared import aio
+from shared.host import describe_cpu
 from shared.model_files import eos_token_ids, resolve_model_dir
 from shared.openmp import share_cores
 
@@ -319,6 +321,8 @@ def run(args: argparse.Namespace) -> int:
         "dtype": dtype,
         "url": args.url or "launched",
         "workload": workload,
+        # the machine the load generator ran on (and the server, where it launched one)
+        "host": asdict(describe_cpu()),
         "levels": [level_metrics(r) for r in runs],
         "baselines": {},
     }

@@ -15,6 +15,7 @@ from typing import Any
 from services.bench.ceiling import format_ceiling
 from services.bench.client import LevelRun
 from services.bench.stats import Summary
+from shared.host import CpuDescription
 
 
 def level_metrics(run: LevelRun) -> dict[str, Any]:
@@ -57,7 +58,10 @@ def format_table(report: dict[str, Any]) -> str:
     head = f"{'level':>10s} {'ok/n':>7s} {'req/s':>7s} {'tok/s':>8s}" + "".join(
         f" {name:>9s}" for name in names
     )
-    lines = [f"model {report['model']}  workload {report['workload']}", head]
+    lines = [f"model {report['model']}  workload {report['workload']}"]
+    if "host" in report:
+        lines.append(f"bench host {CpuDescription(**report['host']).line()}")
+    lines.append(head)
     for level in report["levels"]:
         ok = f"{level['num_completed']}/{level['num_requests']}"
         row = (

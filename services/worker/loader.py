@@ -14,6 +14,7 @@ from services.worker import fast_decoder, flash_attention, kernels, paged_attent
 from services.worker.kernels import CpuKernels
 from services.worker.kv_cache import CacheShape
 from services.worker.quantization import QuantizationError, quantization_config
+from shared.host import cpu_flags
 from shared.model_files import context_length, eos_token_ids, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -47,18 +48,6 @@ def pick_device(name: str | None) -> torch.device:
     if name:
         return torch.device(name)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo), empty where unknown."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 # CPU features with native half-precision matmuls (oneDNN uses them); without them half

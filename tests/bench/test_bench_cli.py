@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from services.bench.plot import MISSING, can_plot
 from services.launcher.cli import main
+from shared.host import describe_cpu
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,6 +36,7 @@ def test_smoke_run_json(stories_model):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "c=4 [" in result.stderr  # the progress bar
     report = json.loads(result.stdout)  # stdout is the report alone
+    assert report["host"] == asdict(describe_cpu())  # the machine the numbers came from
     assert [(level["mode"], level["value"]) for level in report["levels"]] == [
         ("concurrency", 1),
         ("concurrency", 4),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import asdict
 
 import pytest
 
@@ -15,9 +16,11 @@ from services.bench.report import (
     add_ratios,
     format_baseline,
     format_rounds,
+    format_table,
     median_of_rounds,
     round_record,
 )
+from shared.host import CpuDescription
 
 
 def level(tokens_per_s: float, itl_p50_ms: float | None, failed: int = 0) -> dict:
@@ -152,3 +155,24 @@ def test_the_bench_follows_the_split():
     assert unsplit.launch_args() == []
     with unsplit.compute(), unsplit.client():
         assert os.sched_getaffinity(0) == available
+
+
+def test_the_table_names_the_bench_host():
+    cpu = CpuDescription("Intel(R) Xeon(R) Processor", "6", "207", 2, ["avx2"], ["amx_tile"])
+    summary = {"p50_ms": 1.0, "p90_ms": 2.0, "p99_ms": 3.0}
+    report = {
+        "model": "m",
+        "workload": "w",
+        "host": asdict(cpu),
+        "levels": [
+            level(100.0, 1.0)
+            | {"num_completed": 1, "num_requests": 1, "request_throughput": 1.0, "errors": []}
+            | {"ttft": summary, "itl": summary, "e2e": summary}
+        ],
+    }
+    lines = format_table(report).splitlines()
+    assert lines[1] == (
+        "bench host Intel(R) Xeon(R) Processor (family 6 model 207), 2 CPUs: avx2; no amx_tile"
+    )
+    del report["host"]  # a report of an older textgen
+    assert not any(line.startswith("bench host") for line in format_table(report).splitlines())

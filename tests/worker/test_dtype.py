@@ -25,10 +25,3 @@ def test_gpu_takes_the_checkpoint_half_precision():
     gpu = torch.device("cuda")
     assert pick_dtype("auto", gpu, torch.float16) == torch.float16
     assert pick_dtype("auto", gpu, torch.float32) == torch.bfloat16
-
-
-def test_cpu_flags_reads_this_machine():
-    flags = loader.cpu_flags()
-    assert isinstance(flags, set)
-    with open("/proc/cpuinfo") as cpuinfo:
-        assert ("flags" in cpuinfo.read()) == bool(flags)

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from services.worker import kernels
 from services.worker.kernels.matmul import BF16_MATMUL_ENV
-from services.worker.loader import cpu_flags
 from services.worker.packed_linear import PackedLinear, pack, supports
+from shared.host import cpu_flags
 
 needs_bfloat16 = pytest.mark.skipif(
     not supports(torch.bfloat16), reason="no bfloat16 matmul on this CPU (AVX2 only)"
