@@ -97,7 +97,7 @@ def create_app(settings: Settings) -> FastAPI:
             resume=settings.redis_resume_timeout > 0,
             on_epoch_change=state.metrics.redis_epoch_changed,
             master=master,
-            on_replaced_tokens=state.metrics.replaced_tokens_dropped,
+            on_replaced_attempt_event=state.metrics.replaced_attempt_event_dropped,
         )
         state.generator = Generator(
             state.client,

@@ -35,7 +35,7 @@ class GatewayMetrics:
         self.num_unknown_adapters = 0  # requests naming an adapter nobody registered
         self.num_routed_adapter_requests = 0  # sent to the group holding their adapter
         self.num_resumed_requests = 0  # re-submitted after Redis lost their token events
-        self.num_replaced_token_events = 0  # late events of a replaced attempt, past a gap
+        self.num_replaced_attempt_events = 0  # late events of a replaced attempt, past a gap
         self.num_unreplicated = 0  # accepted before --redis-wait-replicas replicas had them
         self.num_redis_epoch_changes = 0  # Redis restarted or failed over under this gateway
         # new masters the sentinels named, or new primaries of a cluster's slots
@@ -120,8 +120,8 @@ class GatewayMetrics:
         self.input_length.observe(num_input_tokens)
         self.generated_tokens.observe(num_generated_tokens)
 
-    def replaced_tokens_dropped(self) -> None:
-        self.num_replaced_token_events += 1
+    def replaced_attempt_event_dropped(self) -> None:
+        self.num_replaced_attempt_events += 1
 
     def redis_epoch_changed(self) -> None:
         self.num_redis_epoch_changes += 1
@@ -183,7 +183,7 @@ class GatewayMetrics:
             "earlier attempt that came after a gap, dropped (its new attempt makes the same "
             "tokens)",
             "# TYPE textgen_replaced_attempt_events counter",
-            f"textgen_replaced_attempt_events {self.num_replaced_token_events}",
+            f"textgen_replaced_attempt_events {self.num_replaced_attempt_events}",
             "# HELP textgen_intake_unreplicated_requests requests accepted before enough "
             "replicas had them (WAIT timed out): a failover may lose them from Redis, and the "
             "gateway then re-submits them",

@@ -140,7 +140,9 @@ def test_only_contiguous_indexes_are_delivered():
     request is told to resume; its resumed copy's 3-5 then go through, and 4-5 of the old copy
     once more are duplicates."""
     replaced = []
-    router = ReplyRouter(client=None, channel="c", on_replaced_tokens=lambda: replaced.append(1))
+    router = ReplyRouter(
+        client=None, channel="c", on_replaced_attempt_event=lambda: replaced.append(1)
+    )
     queue = router.register("r")
     router.dispatch(ReplyBatch(events=[event(1, [5, 6])]))
     router.dispatch(ReplyBatch(events=[event(4, [8, 9])]))

@@ -82,7 +82,7 @@ class ReplyRouter:
         resume: bool = True,
         on_epoch_change: Callable[[], None] = lambda: None,
         master: MasterWatch | None = None,
-        on_replaced_tokens: Callable[[], None] = lambda: None,
+        on_replaced_attempt_event: Callable[[], None] = lambda: None,
     ):
         self.client = client
         self.channel = channel
@@ -96,7 +96,7 @@ class ReplyRouter:
         self.resume = resume  # on a lost subscription, resume the requests (else fail them)
         self.num_resumes = 0  # RESUME events sent (lost subscriptions and gaps)
         # called per event of a replaced attempt dropped past a gap (its new attempt makes them)
-        self.on_replaced_tokens = on_replaced_tokens
+        self.on_replaced_attempt_event = on_replaced_attempt_event
         self.is_subscribed = False
         self._pending: dict[str, _Pending] = {}
         self._task: asyncio.Task | None = None
@@ -142,7 +142,7 @@ class ReplyRouter:
             if fresh.token_ids and fresh.index > pending.num_delivered + 1:
                 if event.attempt < pending.attempt:  # a replaced attempt's: no loss
                     log.debug("%s: late tokens of attempt %d", event.request_id, event.attempt)
-                    self.on_replaced_tokens()
+                    self.on_replaced_attempt_event()
                     continue
                 log.info(
                     "request %s: tokens from index %d, %d expected: resuming",
