@@ -4,6 +4,7 @@ model and instruction sets (Linux /proc/cpuinfo) and the CPUs this process may u
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 CPUINFO = "/proc/cpuinfo"
@@ -13,15 +14,19 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_b
 
 def _first_processor(text: str | None) -> dict[str, str]:
     """The first processor's `key: value` lines of a /proc/cpuinfo text (this machine's when
-    None; empty where there is none)."""
-    if text is None:
-        try:
-            with open(CPUINFO) as cpuinfo:
-                text = cpuinfo.read()
-        except OSError:
-            text = ""
+    None, read up to its first processor's end; empty where there is none)."""
+    if text is not None:
+        return _fields(text.splitlines())
+    try:
+        with open(CPUINFO) as cpuinfo:
+            return _fields(cpuinfo)
+    except OSError:
+        return {}
+
+
+def _fields(lines: Iterable[str]) -> dict[str, str]:
     fields: dict[str, str] = {}
-    for line in text.splitlines():
+    for line in lines:
         if not line.strip():
             if fields:
                 break
@@ -31,10 +36,14 @@ def _first_processor(text: str | None) -> dict[str, str]:
     return fields
 
 
+def _flags(fields: dict[str, str]) -> set[str]:
+    return set(fields.get("flags", "").split())
+
+
 def cpu_flags(text: str | None = None) -> set[str]:
     """The CPU's feature flags (of `text`, a /proc/cpuinfo, or this machine's), empty where
     unknown."""
-    return set(_first_processor(text).get("flags", "").split())
+    return _flags(_first_processor(text))
 
 
 @dataclass
@@ -60,7 +69,7 @@ class CpuDescription:
 def describe_cpu(text: str | None = None, num_cpus: int | None = None) -> CpuDescription:
     """The CPU of `text` (a /proc/cpuinfo; this machine's when None)."""
     fields = _first_processor(text)
-    flags = set(fields.get("flags", "").split())
+    flags = _flags(fields)
     if num_cpus is None:
         num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
     return CpuDescription(
