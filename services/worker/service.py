@@ -101,7 +101,10 @@ class WorkerService:
         kernels = self.runner.kernels if self.runner.attention == FAST_DECODER else None
         instruction_set = kernels.level if kernels is not None else ""
         bf16_matmul = kernels.matmul.kind(torch.bfloat16) if kernels is not None else ""
-        self.metrics.attention.labels(self.runner.attention, instruction_set, bf16_matmul).set(1)
+        bf16_attention = kernels.bf16_attention if kernels is not None else ""
+        self.metrics.attention.labels(
+            self.runner.attention, instruction_set, bf16_matmul, bf16_attention
+        ).set(1)
         self.last_step_id = 0
         self.started_at = time.time()  # identifies this worker's lifetime to its scheduler
         self._ready_bytes = encode(self.ready_message())

@@ -140,13 +140,14 @@ def test_metrics_of_all_three_services_follow_a_run(tiny_cluster):
     level, matmul = kernels.capability(), kernels.load().matmul
     # bfloat16 matmuls: the AVX512-BF16 kernel's faster multiply (each worker times both), else
     # what this level has
-    bf16 = [matmul.kind(torch.bfloat16)]
+    # what a worker's bfloat16 prompt chunks attend with follows: dot products or widened
+    bf16 = [(matmul.kind(torch.bfloat16), "widen")]
     if matmul.has_bf16_dot_products:
-        bf16 = ["avx512bf16", "avx512widen"]
+        bf16 = [("avx512bf16", "dot"), ("avx512widen", "widen")]
     infos = [
-        f'textgen_worker_attention_info{{bf16_matmul="{name}",instruction_set="{level}",'
-        'kernel="cpu-kernels"}'
-        for name in bf16
+        f'textgen_worker_attention_info{{bf16_attention="{attention}",bf16_matmul="{name}",'
+        f'instruction_set="{level}",kernel="cpu-kernels"}}'
+        for name, attention in bf16
     ]
     assert sum(total(tiny_cluster, "worker", info) for info in infos) == 2
     assert total(tiny_cluster, "scheduler", "textgen_scheduler_kv_blocks_used") == 0

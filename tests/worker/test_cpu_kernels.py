@@ -233,23 +233,44 @@ def attention_case(ops, dtype, block_size, num_heads, num_kv_heads, head_dim, wi
     return got, torch.cat(expected)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# the attention's element type, and whether bfloat16 prompt chunks run on dot products
+ATTENTION_PATHS = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+ATTENTION_IDS = ["float32", "bfloat16-fma", "bfloat16-dots"]
+
+
+def use_attention_dots(ops, monkeypatch, dots: bool) -> None:
+    """The bfloat16 attention of prompt chunks on AVX512-BF16 dot products (attention_dot.inc)
+    or on FMAs, whichever this host's kernels would pick; dots skipped where none are built."""
+    if dots and not ops.matmul.has_bf16_dot_products:
+        pytest.skip(f"no AVX512-BF16 dot products at the {ops.level} level")
+    monkeypatch.setattr(ops, "bf16_attention_dots", dots)
+
+
+@pytest.mark.parametrize(("dtype", "dots"), ATTENTION_PATHS, ids=ATTENTION_IDS)
 @pytest.mark.parametrize("block_size", [16, 32, 5])
 @pytest.mark.parametrize("window", [None, 7])
-def test_paged_attention_equals_sdpa_for_mixed_steps(ops, dtype, block_size, window):
+def test_paged_attention_equals_sdpa_for_mixed_steps(
+    ops, monkeypatch, dtype, dots, block_size, window
+):
+    use_attention_dots(ops, monkeypatch, dots)
     got, expected = attention_case(ops, dtype, block_size, 9, 3, 64, window)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize(("dtype", "dots"), ATTENTION_PATHS, ids=ATTENTION_IDS)
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"),
     [(4, 4, 16), (4, 2, 16), (32, 8, 128), (12, 2, 128), (16, 1, 64), (6, 2, 48), (5, 5, 80)],
     ids=["mha", "gqa2", "gqa4-128", "gqa6", "mqa-group16", "gqa3-48", "mha-80"],
 )
-def test_paged_attention_any_gqa_group_and_head_dim(ops, num_heads, num_kv_heads, head_dim):
-    got, expected = attention_case(ops, torch.float32, 16, num_heads, num_kv_heads, head_dim, None)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+def test_paged_attention_any_gqa_group_and_head_dim(
+    ops, monkeypatch, dtype, dots, num_heads, num_kv_heads, head_dim
+):
+    use_attention_dots(ops, monkeypatch, dots)
+    got, expected = attention_case(ops, dtype, 16, num_heads, num_kv_heads, head_dim, None)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -146,9 +146,13 @@ def test_the_bfloat16_multiply_is_the_one_asked_for_else_the_faster(ops, monkeyp
         pytest.skip(f"no AVX512-BF16 dot products at the {ops.level} level")
     caplog.set_level(logging.INFO, logger="services.worker.kernels.matmul")
     monkeypatch.setenv(BF16_MATMUL_ENV, "Widen ")
-    assert kernels.load.__wrapped__().matmul.kind(torch.bfloat16) == "avx512widen"
+    widened = kernels.load.__wrapped__()
+    assert widened.matmul.kind(torch.bfloat16) == "avx512widen"
+    assert not widened.bf16_attention_dots  # prompt chunks' attention: the FMAs too
     monkeypatch.setenv(BF16_MATMUL_ENV, "dot")
-    assert kernels.load.__wrapped__().matmul.kind(torch.bfloat16) == "avx512bf16"
+    dots = kernels.load.__wrapped__()
+    assert dots.matmul.kind(torch.bfloat16) == "avx512bf16"
+    assert dots.bf16_attention_dots
     monkeypatch.setenv(BF16_MATMUL_ENV, "amx")
     caplog.clear()
     chosen = kernels.load.__wrapped__().matmul.bf16_widens

@@ -38,6 +38,7 @@ SOURCES = (
     "cpu_kernels.c",
     "cpu_kernels.inc",
     "paged_attention.inc",
+    "attention_dot.inc",
     "lora.inc",
     "amx_linear.inc",
     "bf16_dot_linear.inc",
@@ -75,7 +76,7 @@ _SIGNATURES = {  # argument types of each kernel (documented in the .inc files)
     ],
     "paged_attention": [
         *[_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
-        *[_i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64, ctypes.c_int],
+        *[_i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64, ctypes.c_int, ctypes.c_int],
     ],
 }
 
@@ -214,6 +215,19 @@ class CpuKernels:
                 self._functions[name, dtype] = function
         # the fast decoder's own matmuls where this build has them (kernels/matmul.py)
         self.matmul = MatmulKernels(library)
+        # prompt chunks' bfloat16 attention on AVX512-BF16 dot products (attention_dot.inc):
+        # where the matmuls keep theirs (a CPU that issues them slowly keeps its FMAs for both)
+        self.bf16_attention_dots: bool = (
+            self.matmul.has_bf16_dot_products and not self.matmul.bf16_widens
+        )
+        if self.matmul.has_bf16_dot_products:
+            log.info("bfloat16 prompt attention: %s (as the matmuls)", self.bf16_attention)
+
+    @property
+    def bf16_attention(self) -> str:
+        """What bfloat16 prompt chunks attend with: dot (AVX512-BF16 dot products) or widen
+        (FMAs of keys and values widened to float32, as decodes everywhere)."""
+        return "dot" if self.bf16_attention_dots else "widen"
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -364,6 +378,7 @@ class CpuKernels:
             block_size,
             scale,
             sliding_window or 0,
+            int(self.bf16_attention_dots and qkv.dtype == torch.bfloat16),
             torch.get_num_threads(),
         )
         return out

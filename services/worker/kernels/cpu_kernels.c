@@ -1,9 +1,10 @@
 /* CPU kernels of the fast decoder path (services/worker/fast_decoder.py), for float32 and
  * bfloat16 tensors. services/worker/kernels/__init__.py compiles this file on first use with
  * -O3 -fopenmp -ffp-contract=off and -march=native (or the x86-64 level that
- * ATEN_CPU_CAPABILITY caps it to) and loads it with ctypes. Only the matmuls name an
- * instruction set (amx_linear.inc, bf16_dot_linear.inc, f32_linear.inc; each built where its
- * own is targeted): the compiler vectorizes the other loops for whichever it was given.
+ * ATEN_CPU_CAPABILITY caps it to) and loads it with ctypes. Only the matmuls and the bfloat16
+ * prompt attention name an instruction set (amx_linear.inc, bf16_dot_linear.inc,
+ * f32_linear.inc, attention_dot.inc; each built where its own is targeted): the compiler
+ * vectorizes the other loops for whichever it was given.
  *
  * The element-wise kernels round where transformers' modeling code rounds (every bfloat16
  * op computes in float32 and rounds its result), with no fused multiply-adds
@@ -221,18 +222,26 @@ static inline bf16_t float_to_bf16(float f) {
 
 /* e^x for x in [-87, 88] (clamped outside), within 2 ulp: Cody-Waite reduction and a
  * degree-6 polynomial, written so that loops over it vectorize */
+#define EXP_LN2_HIGH 0.693359375f /* ln 2 = EXP_LN2_HIGH + EXP_LN2_LOW */
+#define EXP_LN2_LOW -2.12194440e-4f
+#define EXP_P0 1.9875691500e-4f /* the polynomial's coefficients, highest power first */
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
 static inline float exp_clamped(float x) {
     x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x; /* not fminf/fmaxf: those do not vectorize */
     /* n = round(x / ln 2) by the 1.5 * 2^23 trick (floorf does not vectorize) */
     float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    float r = x - n * EXP_LN2_HIGH;
+    r = r - n * EXP_LN2_LOW;
+    float p = EXP_P0;
+    p = p * r + EXP_P1;
+    p = p * r + EXP_P2;
+    p = p * r + EXP_P3;
+    p = p * r + EXP_P4;
+    p = p * r + EXP_P5;
     p = p * r * r + r + 1.0f;
     union { uint32_t u; float f; } scale;
     scale.u = (uint32_t)((int32_t)n + 127) << 23;
@@ -257,6 +266,9 @@ static inline float exp_clamped(float x) {
 #define ROWS_MAX 8
 #else
 #define ROWS_MAX 4
+#endif
+#ifndef DOT_MIN_ROWS
+#define DOT_MIN_ROWS 8 /* a work item's fewest rows per KV head for the dot products */
 #endif
 #define MAX_TILE_ROWS 48             /* query rows (queries x heads of a KV group) per item */
 #define MAX_QUERY_TILE 16            /* queries of one request per attention work item */
@@ -292,8 +304,15 @@ static inline float exp_clamped(float x) {
 #define LOAD(x) bf16_to_float(x)
 #define STORE(x) float_to_bf16(x)
 #define LOADW(p) loadw_bf16(p)
+#if defined(HAS_BF16_DOT_PRODUCTS)
+#define ATTENTION_DOTS 1 /* prompt chunks' attention on dot products, where asked */
+#endif
 #include "cpu_kernels.inc"
 #include "paged_attention.inc"
+#ifdef ATTENTION_DOTS
+#include "attention_dot.inc"
+#undef ATTENTION_DOTS
+#endif
 #include "lora.inc"
 #undef T
 #undef SUFFIX
