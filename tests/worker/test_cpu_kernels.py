@@ -261,8 +261,11 @@ def test_paged_attention_equals_sdpa_for_mixed_steps(
 @pytest.mark.parametrize(("dtype", "dots"), ATTENTION_PATHS, ids=ATTENTION_IDS)
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim"),
-    [(4, 4, 16), (4, 2, 16), (32, 8, 128), (12, 2, 128), (16, 1, 64), (6, 2, 48), (5, 5, 80)],
-    ids=["mha", "gqa2", "gqa4-128", "gqa6", "mqa-group16", "gqa3-48", "mha-80"],
+    [
+        *[(4, 4, 16), (4, 2, 16), (32, 8, 128), (12, 2, 128), (16, 1, 64), (6, 2, 48)],
+        *[(5, 5, 80), (8, 4, 256)],
+    ],
+    ids=["mha", "gqa2", "gqa4-128", "gqa6", "mqa-group16", "gqa3-48", "mha-80", "gqa2-256"],
 )
 def test_paged_attention_any_gqa_group_and_head_dim(
     ops, monkeypatch, dtype, dots, num_heads, num_kv_heads, head_dim
