@@ -5,7 +5,9 @@ in-process engine with the fast decoder, and times every packed matmul (by rows,
 every CPU kernel call of
 - a batch-32 decode step (32 prompts of 128 tokens, then 20 steps), and
 - a step of four 128-token prompts,
-per step, against the step's whole time; the rest is Python and torch glue. The numbers in
+- and with --long N, one prompt of N tokens (all its prompt steps: the engine splits it into
+  chunks),
+per step (or prompt), against its whole time; the rest is Python and torch glue. The numbers in
 the kernels' comments and in the closing notes of issue 19 come from it."""
 
 from __future__ import annotations
@@ -45,22 +47,23 @@ class Timers:
 
         return timed
 
-    def report(self, title: str, steps: int, seconds: float) -> None:
+    def report(self, title: str, steps: int, seconds: float, unit: str = "step") -> None:
         measured = sum(self.seconds.values())
         per_step = seconds / steps * 1e3
-        print(f"{title}: {per_step:.1f} ms per step, timed {measured / steps * 1e3:.1f}")
+        print(f"{title}: {per_step:.1f} ms per {unit}, timed {measured / steps * 1e3:.1f}")
         for key, spent in sorted(self.seconds.items(), key=lambda item: -item[1]):
             print(f"  {key!s:28} {spent / steps * 1e3:8.2f} ms")
         self.seconds.clear()
 
 
-def prompts(count: int) -> list[list[int]]:
-    return [[random.randrange(5, 1000) for _ in range(PROMPT)] for _ in range(count)]
+def prompts(count: int, length: int = PROMPT) -> list[list[int]]:
+    return [[random.randrange(5, 1000) for _ in range(length)] for _ in range(count)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dtype", nargs="?", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--long", type=int, default=0, help="also one prompt of this many tokens")
     args = parser.parse_args()
     random.seed(0)
     timers = Timers()
@@ -95,6 +98,12 @@ def main() -> None:
     for _ in range(3):
         engine.generate(prompts(4), 1)
     timers.report(f"4 prompts of {PROMPT} tokens", 3, time.perf_counter() - started)
+    if args.long:
+        timers.on, started = True, time.perf_counter()
+        for _ in range(3):
+            engine.generate(prompts(1, args.long), 1)
+        seconds = time.perf_counter() - started
+        timers.report(f"1 prompt of {args.long} tokens", 3, seconds, unit="prompt")
 
 
 if __name__ == "__main__":
