@@ -144,15 +144,18 @@ def test_the_bfloat16_multiply_is_the_one_asked_for_else_the_faster(ops, monkeyp
     take, with a warning), the library times both on this core once."""
     if not ops.matmul.has_bf16_dot_products:
         pytest.skip(f"no AVX512-BF16 dot products at the {ops.level} level")
-    caplog.set_level(logging.INFO, logger="services.worker.kernels.matmul")
+    caplog.set_level(logging.INFO, logger="services.worker.kernels")
     monkeypatch.setenv(BF16_MATMUL_ENV, "Widen ")
     widened = kernels.load.__wrapped__()
     assert widened.matmul.kind(torch.bfloat16) == "avx512widen"
-    assert not widened.bf16_attention_dots  # prompt chunks' attention: the FMAs too
+    # prompt chunks' attention follows: the FMAs too, or the dot products too
+    assert not widened.bf16_attention_dots and widened.bf16_attention == "widen"
+    assert "bfloat16 prompt attention: widen (as the matmuls)" in caplog.text
     monkeypatch.setenv(BF16_MATMUL_ENV, "dot")
     dots = kernels.load.__wrapped__()
     assert dots.matmul.kind(torch.bfloat16) == "avx512bf16"
-    assert dots.bf16_attention_dots
+    assert dots.bf16_attention_dots and dots.bf16_attention == "dot"
+    assert "bfloat16 prompt attention: dot (as the matmuls)" in caplog.text
     monkeypatch.setenv(BF16_MATMUL_ENV, "amx")
     caplog.clear()
     chosen = kernels.load.__wrapped__().matmul.bf16_widens
