@@ -110,9 +110,10 @@ class WorkerMetrics:
             "AVX2 kernel, default or native; empty without them); bf16_matmul: what bfloat16 "
             "matmuls would run on (amx, avx512bf16: AVX512-BF16 dot products, avx512widen: "
             "FMAs of weights widened to float32, where faster or without AVX512-BF16, or "
-            "onednn; empty without the CPU kernels); bf16_attention: what bfloat16 prompt "
-            "chunks attend with (dot: AVX512-BF16 dot products, where the matmuls keep theirs, "
-            "widen: FMAs of widened keys and values; empty without the CPU kernels)",
+            "onednn; empty without the CPU kernels); bf16_attention: what the kernel attends "
+            "bfloat16 prompt chunks with (dot: AVX512-BF16 dot products, where the matmuls keep "
+            "theirs, widen: FMAs of widened keys and values; empty without the CPU kernels; on "
+            "AMX torch's fused attention takes chunks of 64 queries or more)",
             ["kernel", "instruction_set", "bf16_matmul", "bf16_attention"],
             registry=r,
         )
