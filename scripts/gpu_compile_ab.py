@@ -1,15 +1,17 @@
 """torch.compile off and on, in process, on a GPU (issue 22): for each, the batch-1 decode step
 against the HBM roofline (the whole engine step, and the graph replay alone) with its kernels'
 device times (the decode rows' keys split in ranges, then not), a batch-32 decode step, the
-first token of one 128-token prompt (an eager step), and the first tokens of 32 such prompts in
-one step, their attention through the Triton tile kernel and through SDPA (with that step's
-kernels). One JSON object on stdout. AB_MODES: which of the two to run ("eager,compiled").
+first token of one 128-token prompt (an eager step) with its host time by operator, and the
+first tokens of 32 such prompts in one step, their attention through the Triton tile kernel and
+through SDPA (with that step's kernels). JSON objects on stdout, the last one whole. AB_MODES:
+which of the two to run ("eager,compiled").
 
     [AB_MODES=eager] python3 scripts/gpu_compile_ab.py [SHAPE]   # default llama-3.2-1b
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import json
@@ -59,9 +61,10 @@ def kernel_times(backend, kv_cache, steps: int = 10, top: int = 25) -> list[list
         return profiled(step, steps, top)
 
 
-def profiled(work, steps: int, top: int) -> list[list]:
+def profiled(work, steps: int, top: int, host: bool = False) -> list[list]:
     """`work` run `steps` times under torch.profiler: [name, calls per run, device µs per
-    run] of its `top` most costly operators and kernels."""
+    run] of its `top` most costly operators and kernels (`host`: [name, calls per run, host
+    µs per run of the operator's own time], the costliest on the CPU side first)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -75,20 +78,28 @@ def profiled(work, steps: int, top: int) -> list[list]:
                 torch.cuda.synchronize()
     rows = []
     for event in prof.key_averages():
-        device_us = getattr(event, "self_device_time_total", 0) or 0
-        if device_us > 0:
-            rows.append([event.key[:80], event.count // steps, round(device_us / steps, 1)])
+        spent = event.self_cpu_time_total if host else event.self_device_time_total
+        if spent:
+            rows.append([event.key[:80], event.count // steps, round(spent / steps, 1)])
     return sorted(rows, key=lambda row: -row[2])[:top]
 
 
-def measure(folder: str, compile: bool) -> dict:
+def measure(folder: str, compile: bool, result: dict, report: dict) -> None:
+    """The A/B's numbers of one mode into `result` (part of `report`, printed once the host
+    profile is in, so that a run cut short still tells where an eager step's time goes)."""
     started = time.perf_counter()
     engine = Engine(folder, compile=compile, kv_cache_memory=KV_CACHE_BYTES)
-    result: dict = {"load_s": round(time.perf_counter() - started, 1)}
+    result["load_s"] = round(time.perf_counter() - started, 1)
     backend = engine.runner.backend
     result["compiled"] = bool(getattr(backend, "compile", False))
     vocab = engine.tokenizer.get_vocab_size()
     result["first_token_ms"] = first_token_ms(engine, vocab)
+    # an eager step (one prompt's first token) is ~10 ms on an H200 against ~2.4 ms for a
+    # batch-32 decode replay: where its host time goes
+    result["eager_step_host"] = profiled(
+        functools.partial(first_token_ms, engine, vocab, 1, 1), 3, 30, True
+    )
+    print(json.dumps(report), flush=True)
     if hasattr(backend, "tiles"):  # CudaPaged
         # 32 prompts in one step: their chunks attended as tiles by the Triton kernel, then
         # (the check's answer forced) one request at a time through SDPA
@@ -96,7 +107,7 @@ def measure(folder: str, compile: bool) -> dict:
         for name, use in (("tiles", tiles), ("sdpa", False)):
             backend.tiles = use
             times[name] = first_token_ms(engine, vocab, 32, 3)
-            kernels[name] = profiled(lambda: first_token_ms(engine, vocab, 32, 1), 1, 12)
+            kernels[name] = profiled(functools.partial(first_token_ms, engine, vocab, 32, 1), 1, 12)
         backend.tiles = tiles
         result["first_tokens_32_prompts_ms"] = times
         result["prompts32_kernels"] = kernels
@@ -120,7 +131,6 @@ def measure(folder: str, compile: bool) -> dict:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return result
 
 
 def main() -> None:
@@ -129,14 +139,15 @@ def main() -> None:
     shape = sys.argv[1] if len(sys.argv) > 1 else "llama-3.2-1b"
     started = time.perf_counter()
     folder = str(build_random_model(shape))
-    report = {
+    report: dict = {
         "shape": shape,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "build_s": round(time.perf_counter() - started, 1),
     }
     modes = os.environ.get("AB_MODES", "eager,compiled").split(",")
-    for compile in [mode == "compiled" for mode in modes]:
-        report["compiled" if compile else "eager"] = measure(folder, compile)
+    for mode in modes:
+        report[mode] = {}
+        measure(folder, mode == "compiled", report[mode], report)
         print(json.dumps(report), flush=True)  # what is done so far, should a limit end it
 
 

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 ATTENTION_NAME = "textgen_paged"
 TILE_QUERIES = 64  # queries per tile of a longer prompt chunk (the tile kernel's BLOCK_M)
+INT32_PER_16_BYTES = 4  # the tables' alignment (`aligned_int32`)
 METADATA_KWARG = "textgen_attention"
 
 
@@ -154,17 +155,34 @@ def row_tables(
         [batch.context_lens[i] for i in requests],
         block_size,
     )
-    flat = rows + row_request + row_lens + [value for column in tiles for value in column]
-    packed = torch.tensor(flat + table, dtype=torch.int32).to(device)
-    n, t = len(rows), len(tiles[0])
-    columns = packed[3 * n : 3 * n + 4 * t].view(4, t)
-    return RowTables(
-        rows=packed[:n],
-        row_request=packed[n : 2 * n],
-        row_lens=packed[2 * n : 3 * n],
-        block_tables=packed[3 * n + 4 * t :].view(len(requests), max_blocks),
-        tiles=TileTables(columns[0], columns[1], columns[2], columns[3], block_m) if t else None,
+    rows_at, requests_at, lens_at, tile_start, tile_rows, tile_request, tile_lens, table_at = (
+        aligned_int32([rows, row_request, row_lens, *tiles, table], device)
     )
+    return RowTables(
+        rows=rows_at,
+        row_request=requests_at,
+        row_lens=lens_at,
+        block_tables=table_at.view(len(requests), max_blocks),
+        tiles=TileTables(tile_start, tile_rows, tile_request, tile_lens, block_m)
+        if tiles[0]
+        else None,
+    )
+
+
+def aligned_int32(columns: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """The columns as int32 tensors on `device`, from one copy, each starting on a 16-byte
+    boundary: Triton builds a kernel again for each new alignment of a pointer argument (16
+    bytes or not), so tables packed end to end (their offsets following the step's row and
+    tile counts) had the kernels rebuilt, 0.3-0.8 s each, in the first steps of a served run
+    on an H200, until every combination of the seven tables' alignments had come by."""
+    flat: list[int] = []
+    bounds: list[tuple[int, int]] = []
+    for column in columns:
+        bounds.append((len(flat), len(flat) + len(column)))
+        flat.extend(column)
+        flat.extend([0] * (-len(flat) % INT32_PER_16_BYTES))
+    packed = torch.tensor(flat, dtype=torch.int32).to(device)
+    return [packed[start:end] for start, end in bounds]
 
 
 @dataclass

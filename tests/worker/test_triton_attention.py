@@ -138,6 +138,40 @@ def test_num_splits():
     assert triton_attention.num_splits(256, 32) == 1
 
 
+@pytest.mark.parametrize("num_decodes", [0, 1, 2, 3, 5, 31])
+@pytest.mark.parametrize("chunks", [[], [17], [128], [40, 70, 3]])
+def test_every_table_starts_on_16_bytes(num_decodes, chunks):
+    """Whatever the step's row and tile counts, each table the kernels take starts on a 16-byte
+    boundary: Triton builds a kernel again for each new alignment of a pointer argument, so a
+    step whose tables sat otherwise stalled on a build."""
+    q_lens = [1] * num_decodes + chunks
+    if not q_lens:
+        return
+    query_start = [0]
+    for q_len in q_lens:
+        query_start.append(query_start[-1] + q_len)
+    batch = SimpleNamespace(
+        query_start=query_start,
+        context_lens=[q_len + 7 for q_len in q_lens],
+        block_tables=[
+            list(range(i, i + (q_len + 7 + BLOCK - 1) // BLOCK)) for i, q_len in enumerate(q_lens)
+        ],
+    )
+    short = [i for i, q_len in enumerate(q_lens) if q_len <= ROW_QUERIES]
+    long = [i for i, q_len in enumerate(q_lens) if q_len > ROW_QUERIES]
+    tables = row_tables(batch, short, long, BLOCK, torch.device("cpu"), TILE_M)
+    tensors = [tables.rows, tables.row_request, tables.row_lens, tables.block_tables]
+    if tables.tiles is not None:
+        tiles = tables.tiles
+        tensors += [tiles.start, tiles.rows, tiles.request, tiles.lens]
+    assert (tables.tiles is not None) == bool(long)
+    assert all(tensor.data_ptr() % 16 == 0 for tensor in tensors)
+    assert tables.rows.tolist() == [
+        token for i in short for token in range(query_start[i], query_start[i + 1])
+    ]
+    assert tables.block_tables.shape[0] == len(q_lens)
+
+
 def test_the_kernel_checks_see_a_wrong_kernel(monkeypatch, caplog):
     """tiles_agree and splits_agree pass the kernels as they are, and fail kernels that leave
     their output unwritten or that raise."""
