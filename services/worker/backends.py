@@ -72,7 +72,8 @@ class ForwardBackend(ABC):
     can_speculate: bool = True  # drafts are verified in the same pass
     uses_paged_cache: bool = True  # False: KV blocks are only accounted, never allocated
     spare_blocks: int = 0  # KV blocks allocated past the scheduler's, for the backend's use
-    graph_steps: int = 0  # steps replayed from a CUDA graph so far (CudaPaged)
+    graph_steps: int = 0  # decode steps replayed from a CUDA graph so far (CudaPaged)
+    mixed_graph_steps: int = 0  # steps with prompt chunks replayed from one so far (CudaPaged)
     compiled_steps: int = 0  # steps run by the compiled model outside a graph so far (CudaPaged)
     tiled_chunks: int = 0  # prompt chunks attended as tiles by the Triton kernel so far (CudaPaged)
 

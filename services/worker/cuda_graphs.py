@@ -23,7 +23,8 @@ block that the scheduler never hands out, so they touch no request's cache:
 
 Python and launch overhead then cost one replay per step instead of ~10 kernel launches per
 layer, which is what decides the step time of small models on a GPU; the graphs are captured
-from the compiled model, whose fused kernels make fewer launches still.
+from the compiled model, whose fused kernels make fewer launches still. Steps with prompt
+chunks replay graphs of token buckets the same way (services/worker/mixed_graphs.py).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from services.worker import flash_attention
 from services.worker.backends import PackedBatch, TransformersPaged
 from services.worker.kv_cache import PagedKVCache
 from services.worker.lora import HOOKED
+from services.worker.mixed_graphs import MixedGraphs
 from services.worker.paged_attention import (
     GRAPH_STEP,
     IN_GRAPH,
@@ -48,12 +50,12 @@ from services.worker.paged_attention import (
     AttentionMetadata,
     RowTables,
     row_tables,
+    split_queries,
 )
 
 log = logging.getLogger(__name__)
 
 TRITON = "triton"  # the attention name the worker reports (/info model_attention)
-ROW_QUERIES = 16  # requests with at most this many queries this step are kernel rows
 
 
 def default_sizes(max_batch_size: int) -> list[int]:
@@ -73,6 +75,7 @@ class GraphStep:
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor  # [graph rows, vocab], written by the replay
     num_rows: int
+    mixed: bool = False  # a mixed step's graph (services/worker/mixed_graphs.py)
 
 
 class CudaPaged(TransformersPaged):
@@ -103,7 +106,10 @@ class CudaPaged(TransformersPaged):
         self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.spare_slot = 0  # the first slot of the spare block (set with the buffers)
         self.flash = flash  # flash-attn is installed: it attends the eager steps
-        self.graph_steps = 0  # steps replayed from a graph
+        self.graph_steps = 0  # decode steps replayed from a graph
+        self.mixed_graph_steps = 0  # steps with prompt chunks replayed from a graph
+        self.mixed: MixedGraphs | None = None  # their graphs (with the decode graphs' buffers)
+        self.pool: Any = None  # the graphs' shared memory pool
         self.compiled_steps = 0  # steps of 2 tokens or more run by the compiled model
         self.tiled_chunks = 0  # prompt chunks attended as tiles
         self.tiles: bool | None = None  # the tile kernel runs here (None: not checked yet)
@@ -123,10 +129,7 @@ class CudaPaged(TransformersPaged):
                 batch.query_start, batch.context_lens, batch.block_tables, block_size, self.device
             )
             return meta
-        query_start = batch.query_start
-        q_lens = [end - start for start, end in zip(query_start, query_start[1:])]
-        short = [i for i, q_len in enumerate(q_lens) if q_len <= ROW_QUERIES]
-        long = [i for i, q_len in enumerate(q_lens) if q_len > ROW_QUERIES]
+        short, long = split_queries(batch)
         tiled = long if long and self.tiles_agree(kv_cache) else []
         if short or tiled:
             meta.rows = row_tables(batch, short, tiled, block_size, self.device)
@@ -135,11 +138,12 @@ class CudaPaged(TransformersPaged):
         # without the tile kernel, the longer chunks go to SDPA one by one
         meta.prefill_indices = [] if tiled else long
         if meta.prefill_indices:
+            longer = set(long)
             meta.context_slots = [
                 kv_cache.slots(batch.block_tables[i], batch.context_lens[i]).to(self.device)
-                if q_len > ROW_QUERIES
+                if i in longer
                 else torch.empty(0, dtype=torch.long)
-                for i, q_len in enumerate(q_lens)
+                for i in range(len(batch.context_lens))
             ]
         return meta
 
@@ -149,16 +153,8 @@ class CudaPaged(TransformersPaged):
         if self.tiles is None:
             from services.worker import kernel_checks  # Triton: only where this runs
 
-            self.tiles = kernel_checks.tiles_agree(*self._check_shape(kv_cache))
+            self.tiles = kernel_checks.tiles_agree(*kernel_checks.shape(self.model, kv_cache))
         return self.tiles
-
-    def _check_shape(self, kv_cache: PagedKVCache) -> tuple[torch.device, torch.dtype, int, int]:
-        """The kernel checks' device, dtype, head_dim and query heads per key/value head."""
-        config: Any = self.model.config
-        heads = config.num_attention_heads
-        cache = kv_cache.keys[0]  # [num_slots, num_kv_heads, head_dim]
-        group = heads // getattr(config, "num_key_value_heads", heads)
-        return self.device, cache.dtype, int(cache.shape[2]), group
 
     def prepare(self, batch: PackedBatch, kv_cache: PagedKVCache) -> Any:  # or a GraphStep
         num_rows = len(batch.states)
@@ -171,17 +167,32 @@ class CudaPaged(TransformersPaged):
             or batch.prompt_rows
             or any(state.adapter is not None for state in batch.states)
         ):
-            return self.metadata(batch, kv_cache)
+            return self.mixed_step(batch, kv_cache)
         self._fill(batch, num_rows, size, kv_cache.block_size)
         graph, logits = self.graphs[size]
         return GraphStep(graph, logits, num_rows)
 
+    def mixed_step(self, batch: PackedBatch, kv_cache: PagedKVCache) -> Any:  # or a GraphStep
+        """A step that is no plain decode: copied into a mixed graph's buffers where one holds
+        it (services/worker/mixed_graphs.py), else the metadata of an eager step."""
+        kept = batch.kept_rows or [batch.input_ids.shape[1] - 1]  # the rows forward gets
+        adapters = any(state.adapter is not None for state in batch.states)
+        mixed = self.mixed
+        graph = None if mixed is None or adapters else mixed.pick(batch, kept)
+        if mixed is None or graph is None or graph.logits is None:
+            return self.metadata(batch, kv_cache)
+        self.tiled_chunks += mixed.fill(graph, batch, kept, kv_cache.block_size)
+        return GraphStep(graph.graph, graph.logits, len(kept), mixed=True)
+
     def forward(self, batch: PackedBatch, kv_cache: PagedKVCache, rows: list[int]) -> torch.Tensor:
         step = batch.prepared
-        if isinstance(step, GraphStep):
+        if isinstance(step, GraphStep):  # its rows are `rows` (a decode graph's: one each)
             step.graph.replay()
-            self.graph_steps += 1
-            return step.logits[: step.num_rows]  # rows == range(num_rows): one decode each
+            if step.mixed:
+                self.mixed_graph_steps += 1
+            else:
+                self.graph_steps += 1
+            return step.logits[: step.num_rows]
         # LoRA hooks on the modules: they run as they are
         if self.compile and batch.input_ids.shape[1] > 1 and not hasattr(self.model, HOOKED):
             inputs = self._eager_inputs(batch.input_ids, batch.position_ids, rows)
@@ -261,6 +272,10 @@ class CudaPaged(TransformersPaged):
         }
         self.spare_slot = spare_block * block_size
         self.inputs = {size: self._inputs(size) for size in self.sizes}
+        if self.tiles and not self.flash:  # mixed steps attend through both kernels
+            self.mixed = MixedGraphs(
+                kv_cache, self.static["block_tables"], self.spare_slot, largest, self.row_splits
+            )
 
     def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A graph's own input ids, positions and kept rows ([1, size], [1, size], [size]):
@@ -277,7 +292,7 @@ class CudaPaged(TransformersPaged):
         if self.device.type == "cuda":
             from services.worker import kernel_checks  # Triton: only where this runs
 
-            if not kernel_checks.splits_agree(*self._check_shape(kv_cache)):
+            if not kernel_checks.splits_agree(*kernel_checks.shape(self.model, kv_cache)):
                 self.row_splits = 1
             if not self.flash:
                 self.tiles_agree(kv_cache)
@@ -290,8 +305,11 @@ class CudaPaged(TransformersPaged):
             started = time.perf_counter()
             self._capture_all(kv_cache)
         log.info(
-            "CUDA graphs for decode batch sizes %s captured in %.1f s (%s)",
+            "CUDA graphs for decode batch sizes %s%s captured in %.1f s (%s)",
             ",".join(map(str, self.sizes)),
+            f" and steps with prompt chunks of up to {max(self.mixed.graphs) - 1} tokens"
+            if self.mixed
+            else "",
             time.perf_counter() - started,
             "torch.compile's kernels" if self.compile else "eager modules",
         )
@@ -352,33 +370,28 @@ class CudaPaged(TransformersPaged):
         )
 
     def _capture_all(self, kv_cache: PagedKVCache) -> None:
-        device = self.device
-        pool = None
         for size in reversed(self.sizes):
-            run = self.step_function(kv_cache, size)
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(2):  # compiles the kernel, settles the allocator
-                    run()
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = run()
-            pool = graph.pool()
-            self.graphs[size] = (graph, logits)
-        torch.cuda.synchronize(device)
+            self.graphs[size] = self.record(self.step_function(kv_cache, size))
+        if self.mixed is not None:
+            try:
+                self.mixed.capture(self.run_model, self.record)
+            except Exception as exc:  # noqa: BLE001  # such steps then run eagerly, as before
+                log.warning("no CUDA graphs for steps with prompt chunks: %r", exc)
+                self.mixed = None
+        torch.cuda.synchronize(self.device)
 
-    def replay_seconds(self, size: int, repeats: int = 50) -> float:
-        """Mean seconds of one replay of the `size`-row graph alone (no step around it), its
-        rows writing the spare block: the forward pass's own time on the device."""
-        static = self.static
-        static["slot_mapping"][:size].fill_(self.spare_slot)
-        graph, _ = self.graphs[size]
-        graph.replay()
-        torch.cuda.synchronize(self.device)
-        started = time.perf_counter()
-        for _ in range(repeats):
-            graph.replay()
-        torch.cuda.synchronize(self.device)
-        return (time.perf_counter() - started) / repeats
+    def record(self, run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """`run` captured as a CUDA graph into the shared pool (after two runs on a side
+        stream: they build its kernels and settle the allocator): the graph, its output."""
+        device = self.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = run()
+        self.pool = graph.pool()
+        return graph, logits

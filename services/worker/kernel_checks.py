@@ -16,11 +16,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from services.worker import triton_attention, triton_tiles
+from services.worker.kv_cache import PagedKVCache
 from services.worker.paged_attention import TILE_QUERIES
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,17 @@ class Case:
 
     def int32(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=self.query.device)
+
+
+def shape(
+    model: torch.nn.Module, kv_cache: PagedKVCache
+) -> tuple[torch.device, torch.dtype, int, int]:
+    """The checks' device, dtype, head_dim and query heads per key/value head, for `model`
+    over `kv_cache`."""
+    config: Any = model.config
+    heads = config.num_attention_heads
+    cache = kv_cache.keys[0]  # [num_slots, num_kv_heads, head_dim]
+    return cache.device, cache.dtype, int(cache.shape[2]), heads // int(cache.shape[1])
 
 
 def make_case(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) -> Case:

@@ -122,6 +122,11 @@ class WorkerMetrics:
             "decode steps replayed from a CUDA graph (the rest ran eagerly)",
             registry=r,
         )
+        self.mixed_graph_steps = Counter(
+            "textgen_worker_mixed_graph_steps",
+            "steps with prompt chunks replayed from a CUDA graph of a token bucket",
+            registry=r,
+        )
         self.compiled_steps = Counter(
             "textgen_worker_compiled_steps",
             "steps of 2 tokens or more run by the model under torch.compile outside a CUDA graph",

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 ATTENTION_NAME = "textgen_paged"
 TILE_QUERIES = 64  # queries per tile of a longer prompt chunk (the tile kernel's BLOCK_M)
+ROW_QUERIES = 16  # requests with at most this many queries this step are kernel rows
 INT32_PER_16_BYTES = 4  # the tables' alignment (`aligned_int32`)
 METADATA_KWARG = "textgen_attention"
 
@@ -120,17 +121,33 @@ class RowTables:
             )
 
 
-def row_tables(
-    batch: PackedBatch,  # the step (its query_start, context_lens and block_tables)
-    short: list[int],
-    long: list[int],
-    block_size: int,
-    device: torch.device,
-    block_m: int = TILE_QUERIES,
-) -> RowTables:
+def split_queries(batch: PackedBatch) -> tuple[list[int], list[int]]:
+    """The step's requests (indices) of at most ROW_QUERIES queries, then the longer ones."""
+    starts = batch.query_start
+    q_lens = [end - start for start, end in zip(starts, starts[1:])]
+    short = [i for i, q_len in enumerate(q_lens) if q_len <= ROW_QUERIES]
+    return short, [i for i, q_len in enumerate(q_lens) if q_len > ROW_QUERIES]
+
+
+@dataclass
+class RowColumns:
+    """What the Triton kernels' tables hold for a step, as lists (`row_tables` puts them on
+    the device; services/worker/mixed_graphs.py copies them into a graph's buffers)."""
+
+    rows: list[int]  # packed token of each row
+    row_request: list[int]  # the row's request (its index in `requests`)
+    row_lens: list[int]  # keys the row sees
+    tiles: list[list[int]]  # start, rows, request, lens of each tile
+    requests: list[int]  # the step's requests (indices) in table order: short, then long
+    table: list[int]  # their block tables, row-major, padded to `max_blocks`
+    max_blocks: int
+
+
+def row_columns(
+    batch: PackedBatch, short: list[int], long: list[int], block_size: int, block_m: int
+) -> RowColumns:
     """One row per query of each of the `short` requests (indices into the step), with its
-    causal key count, and tiles of at most `block_m` queries of each of the `long` ones; the
-    tables travel to the device in one copy."""
+    causal key count, and tiles of at most `block_m` queries of each of the `long` ones."""
     rows: list[int] = []
     row_request: list[int] = []
     row_lens: list[int] = []
@@ -155,16 +172,32 @@ def row_tables(
         [batch.context_lens[i] for i in requests],
         block_size,
     )
-    rows_at, requests_at, lens_at, tile_start, tile_rows, tile_request, tile_lens, table_at = (
-        aligned_int32([rows, row_request, row_lens, *tiles, table], device)
+    return RowColumns(rows, row_request, row_lens, tiles, requests, table, max_blocks)
+
+
+def row_tables(
+    batch: PackedBatch,  # the step (its query_start, context_lens and block_tables)
+    short: list[int],
+    long: list[int],
+    block_size: int,
+    device: torch.device,
+    block_m: int = TILE_QUERIES,
+) -> RowTables:
+    """`row_columns` on the device, in one copy."""
+    columns = row_columns(batch, short, long, block_size, block_m)
+    rows, row_request, row_lens, tile_start, tile_rows, tile_request, tile_lens, table = (
+        aligned_int32(
+            [columns.rows, columns.row_request, columns.row_lens, *columns.tiles, columns.table],
+            device,
+        )
     )
     return RowTables(
-        rows=rows_at,
-        row_request=requests_at,
-        row_lens=lens_at,
-        block_tables=table_at.view(len(requests), max_blocks),
+        rows=rows,
+        row_request=row_request,
+        row_lens=row_lens,
+        block_tables=table.view(len(columns.requests), columns.max_blocks),
         tiles=TileTables(tile_start, tile_rows, tile_request, tile_lens, block_m)
-        if tiles[0]
+        if columns.tiles[0]
         else None,
     )
 

@@ -46,7 +46,13 @@ HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TTL_S = 5
 RESULTS_MAXLEN = 1000
 # the backend's running counts that the metrics of the same names follow
-STEP_COUNTS = ("graph_steps", "compiled_steps", "tiled_chunks")
+STEP_COUNTS = ("graph_steps", "mixed_graph_steps", "compiled_steps", "tiled_chunks")
+# how a step ran, by the count it added to (the DEBUG step line; none of them: eager modules)
+RAN_AS = {
+    "graph_steps": "decode graph",
+    "mixed_graph_steps": "mixed graph",
+    "compiled_steps": "compiled",
+}
 
 
 def skip_ended_sessions(plans: deque[StepPlan]) -> int:
@@ -317,8 +323,11 @@ class WorkerService:
         self.metrics.grammar_waits.inc(sum(o.awaits_grammar for o in result.outputs))
         self.metrics.requests.set(len(self.runner.requests))
         backend = self.runner.backend
+        ran_as = "eager"
         for name in STEP_COUNTS:
             count = getattr(backend, name)
+            if count > self._counted[name]:
+                ran_as = RAN_AS.get(name, ran_as)
             getattr(self.metrics, name).inc(count - self._counted[name])
             self._counted[name] = count
         if result.error:
@@ -330,7 +339,7 @@ class WorkerService:
         self.is_last_step_ok = not result.error
         log.debug(
             "step %d: %d tokens of %d requests in %.2f ms (forward %.2f, sampling %.2f), %.2f ms "
-            "after the step before",
+            "after the step before, %s",
             plan.step_id,
             result.num_tokens,
             len(plan.new_requests) + len(plan.running),
@@ -338,6 +347,7 @@ class WorkerService:
             result.forward_s * 1e3,
             result.sample_s * 1e3,
             (started - self._last_step_end) * 1e3 if self._last_step_end else 0.0,
+            ran_as,
         )
         self._last_step_end = time.perf_counter()
         return outcome

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from services.worker import kernel_checks, runtime, triton_attention, triton_tiles
-from services.worker.cuda_graphs import ROW_QUERIES, TRITON, CudaPaged
+from services.worker.cuda_graphs import TRITON, CudaPaged
 from services.worker.kv_cache import CacheShape, PagedKVCache
 from services.worker.loader import load_model
 from services.worker.paged_attention import (
     METADATA_KWARG,
+    ROW_QUERIES,
     AttentionMetadata,
     paged_attention_forward,
     row_tables,
@@ -361,3 +362,88 @@ def test_graphs_smaller_than_the_compiled_eager_step_compile(tiny_llama, monkeyp
     with torch.inference_mode():
         backend.compile_step(engine.runner.kv_cache)
     assert backend.compile
+
+
+def test_mixed_steps_replay_token_bucket_graphs_on_the_cpu(tiny_llama, monkeypatch):
+    """Steps with prompt chunks (decodes beside them) replay the graph of the smallest token
+    bucket that holds them, each replay run eagerly here over the static buffers: padded rows
+    and tiles the kernels skip, padding tokens on the spare block. Greedy-equal to
+    transformers, and no step of the busy batch ran eagerly."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU run of the graph path; on a GPU, tests/worker/test_cuda_path.py")
+    from services.worker.mixed_graphs import MixedGraphs
+
+    loaded = load_model(str(tiny_llama), device="cpu", cpu_kernels=False)
+    backend = CudaPaged(loaded.model, loaded.device, [2, 4, 8])
+    backend.tiles = True  # checked at start on a GPU
+    monkeypatch.setattr(runtime, "pick_backend", lambda *args, **kwargs: backend)
+    engine = EngineLoop(loaded, num_blocks=64, max_batch_prefill_tokens=40)
+    cache = engine.runner.kv_cache
+    backend.allocate_static(cache, loaded.max_model_len)
+    assert backend.mixed is not None and max(backend.mixed.graphs) == 2048  # the defaults
+    # small buckets: every interpreted kernel program costs milliseconds here
+    mixed = MixedGraphs(
+        cache, backend.static["block_tables"], backend.spare_slot, 8, None, (32, 64)
+    )
+    backend.mixed = mixed
+    stand_ins: list[EagerReplay] = []
+
+    def record(run):
+        logits = run().clone()
+        stand_ins.append(EagerReplay(run, logits))
+        return stand_ins[-1], logits
+
+    for size in backend.sizes:
+        backend.graphs[size] = record(backend.step_function(cache, size))
+    mixed.capture(backend.run_model, record)
+    assert [graph.kept for graph in mixed.graphs.values()] == [8, 8]
+    eager = []
+    metadata = backend.metadata
+    monkeypatch.setattr(backend, "metadata", lambda *args: eager.append(1) or metadata(*args))
+    gen = torch.Generator().manual_seed(7)
+    requests = [
+        make_request([1] + torch.randint(3, 300, (n,), generator=gen).tolist(), max_new_tokens=3)
+        for n in (3, 50, 12, 30, 20)
+    ]
+    for request in requests:
+        engine.add(request)
+    engine.run()
+    reference = reference_model(tiny_llama)
+    for request in requests:
+        expected = greedy_continuation(reference, request.input_ids, 3, loaded.eos_token_ids)
+        assert engine.tokens[request.request_id] == expected
+    assert engine.scheduler.counters.num_prefill_chunks > 0
+    assert backend.mixed_graph_steps > 0 and backend.tiled_chunks > 0
+    assert not eager  # every step held by a graph: decode or mixed
+    replayed = {graph.tokens: graph.graph.replays for graph in mixed.graphs.values()}
+    assert sum(replayed.values()) == backend.mixed_graph_steps
+    assert backend.graph_steps > 0  # the decodes after the last chunk
+    assert int(mixed.slots[63]) == backend.spare_slot  # padding tokens write the spare block
+
+
+def test_which_steps_a_mixed_graph_takes(tiny_llama):
+    """The smallest bucket of more tokens than the step with room for its kept rows; none for
+    prompt logprobs, too many tokens or too many kept rows, or before its capture."""
+    from services.worker.mixed_graphs import MixedGraphs
+
+    cache = PagedKVCache(CacheShape(1, NUM_KV_HEADS, HEAD_DIM, torch.float32), 8, BLOCK, "cpu")
+    tables = torch.zeros(4, 8, dtype=torch.int32)
+    mixed = MixedGraphs(cache, tables, 8 * BLOCK, 4, None, (32, 64))
+    assert [(graph.tokens, graph.kept) for graph in mixed.graphs.values()] == [(32, 4), (64, 4)]
+
+    def step(num_tokens, num_requests=2, prompt_rows=()):
+        return SimpleNamespace(
+            input_ids=torch.zeros(1, num_tokens, dtype=torch.long),
+            states=[None] * num_requests,
+            prompt_rows=list(prompt_rows),
+        )
+
+    assert mixed.pick(step(20), [0, 1]) is None  # not captured yet
+    for graph in mixed.graphs.values():
+        graph.graph = object()
+    assert mixed.pick(step(20), [0, 1]).tokens == 32
+    assert mixed.pick(step(32), [0, 1]).tokens == 64  # a padding token always
+    assert mixed.pick(step(64), [0, 1]) is None
+    assert mixed.pick(step(20), [0, 1, 2, 3, 4]) is None  # 5 kept rows: the buckets keep 4
+    assert mixed.pick(step(20, num_requests=5), [0]) is None  # the block tables hold 4
+    assert mixed.pick(step(20, prompt_rows=[3]), [0, 1]) is None
