@@ -96,11 +96,12 @@ step_lines() {  # STEP_LOG's servers' logs into logs.txt: all but DEBUG, and the
         rm -f "$log"
     done
 }
-broker_metrics() {  # SHAPE: the scheduler's and worker's step timings after the benches
+broker_metrics() {  # SHAPE: the scheduler's and worker's step timings and how many steps
+    # replayed a decode graph, a mixed-step graph or ran compiled outside one, after the benches
     python3 - "$1" >>"$out/gpu.txt" <<'EOF'
 import re, sys, urllib.request
-wanted = re.compile(r"^textgen_(worker_(plan_late|step_gap|step_duration)|scheduler_plan_wait)"
-                    r"_seconds_(sum|count)")
+wanted = re.compile(r"^textgen_((worker_(plan_late|step_gap|step_duration)|scheduler_plan_wait)"
+                    r"_seconds_(sum|count)|worker_(cuda_graph|mixed_graph|compiled)_steps_total)")
 for port in (9100, 9101, 9102):
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()

@@ -1,10 +1,11 @@
 """torch.compile off and on, in process, on a GPU (issue 22): for each, the batch-1 decode step
-against the HBM roofline (the whole engine step, and the graph replay alone) with its kernels'
-device times (the decode rows' keys split in ranges, then not), a batch-32 decode step, the
-first token of one 128-token prompt (an eager step) with its host time by operator, and the
-first tokens of 32 such prompts in one step, their attention through the Triton tile kernel and
-through SDPA (with that step's kernels). JSON objects on stdout, the last one whole. AB_MODES:
-which of the two to run ("eager,compiled").
+against the HBM roofline (the whole engine step with its host time by operator, and the graph
+replay alone) with its kernels' device times (the decode rows' keys split in ranges, then
+not), a batch-32 decode step, the first token of one 128-token prompt (a mixed-step graph's
+replay, or an eager step) with its host time by operator, and the first tokens of 32 such
+prompts in one step, their attention through the Triton tile kernel and through SDPA (with that
+step's kernels). JSON objects on stdout, the last one whole. AB_MODES: which of the two to run
+("eager,compiled").
 
     [AB_MODES=eager] python3 scripts/gpu_compile_ab.py [SHAPE]   # default llama-3.2-1b
 """
@@ -84,6 +85,17 @@ def profiled(work, steps: int, top: int, host: bool = False) -> list[list]:
     return sorted(rows, key=lambda row: -row[2])[:top]
 
 
+def decode_step_host(engine: Engine, vocab: int, steps: int = 20) -> list[list]:
+    """Host time by operator of a batch-1 decode step (the engine's whole step around the
+    graph replay: what the step's time has beyond the replay's), after its prompt."""
+    engine.add([(13 * j) % (vocab - 3) + 3 for j in range(256)], max_new_tokens=steps + 40)
+    for _ in range(4):  # the prompt, then decodes
+        engine.step()
+    rows = profiled(engine.step, steps, 30, True)
+    engine.run()
+    return rows
+
+
 def measure(folder: str, compile: bool, result: dict, report: dict) -> None:
     """The A/B's numbers of one mode into `result` (part of `report`, printed once the host
     profile is in, so that a run cut short still tells where an eager step's time goes)."""
@@ -94,8 +106,8 @@ def measure(folder: str, compile: bool, result: dict, report: dict) -> None:
     result["compiled"] = bool(getattr(backend, "compile", False))
     vocab = engine.tokenizer.get_vocab_size()
     result["first_token_ms"] = first_token_ms(engine, vocab)
-    # an eager step (one prompt's first token) is ~10 ms on an H200 against ~2.4 ms for a
-    # batch-32 decode replay: where its host time goes
+    # one prompt's first token: an eager step took ~11 ms on an H200 against ~2.4 ms for a
+    # batch-32 decode replay; where its host time goes (a mixed-step graph's replay now)
     result["eager_step_host"] = profiled(
         functools.partial(first_token_ms, engine, vocab, 1, 1), 3, 30, True
     )
@@ -112,6 +124,8 @@ def measure(folder: str, compile: bool, result: dict, report: dict) -> None:
         result["first_tokens_32_prompts_ms"] = times
         result["prompts32_kernels"] = kernels
     result["roofline_batch1"] = memory_roofline(engine, 256)
+    result["decode_step_host"] = decode_step_host(engine, vocab)
+    print(json.dumps(report), flush=True)
     prompts = [[(7 * i + 13 * j) % (vocab - 3) + 3 for j in range(256)] for i in range(32)]
     step_s, sizes = timed_decode_steps(engine, prompts, 16)
     result["decode_batch32_ms"] = round(step_s * 1000, 3)
