@@ -364,22 +364,31 @@ def test_graphs_smaller_than_the_compiled_eager_step_compile(tiny_llama, monkeyp
     assert backend.compile
 
 
-def test_mixed_steps_replay_token_bucket_graphs_on_the_cpu(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_mixed_steps_replay_token_bucket_graphs_on_the_cpu(tiny_llama, monkeypatch, compile):
     """Steps with prompt chunks (decodes beside them) replay the graph of the smallest token
     bucket that holds them, each replay run eagerly here over the static buffers: padded rows
     and tiles the kernels skip, padding tokens on the spare block. Greedy-equal to
-    transformers, and no step of the busy batch ran eagerly."""
+    transformers, and no step of the busy batch ran eagerly; traced by torch.compile (aot_eager
+    here), the buckets' shapes compile nothing beyond the one eager-step graph."""
     if torch.cuda.is_available():
         pytest.skip("the CPU run of the graph path; on a GPU, tests/worker/test_cuda_path.py")
     from services.worker.mixed_graphs import MixedGraphs
 
     loaded = load_model(str(tiny_llama), device="cpu", cpu_kernels=False)
-    backend = CudaPaged(loaded.model, loaded.device, [2, 4, 8])
+    backend = CudaPaged(loaded.model, loaded.device, [2, 4, 8], compile=compile)
+    backend.compiler = "aot_eager"  # the CPU's inductor is slow to build
     backend.tiles = True  # checked at start on a GPU
     monkeypatch.setattr(runtime, "pick_backend", lambda *args, **kwargs: backend)
     engine = EngineLoop(loaded, num_blocks=64, max_batch_prefill_tokens=40)
     cache = engine.runner.kv_cache
     backend.allocate_static(cache, loaded.max_model_len)
+    stats = torch._dynamo.utils.counters["stats"]
+    before = stats["unique_graphs"]
+    if compile:
+        with torch.inference_mode():
+            backend.compile_step(cache)
+        assert backend.compile
     assert backend.mixed is not None and max(backend.mixed.graphs) == 2048  # the defaults
     # small buckets: every interpreted kernel program costs milliseconds here
     mixed = MixedGraphs(
@@ -388,8 +397,9 @@ def test_mixed_steps_replay_token_bucket_graphs_on_the_cpu(tiny_llama, monkeypat
     backend.mixed = mixed
     stand_ins: list[EagerReplay] = []
 
-    def record(run):
-        logits = run().clone()
+    def record(run):  # as CudaPaged.capture runs it: under inference mode
+        with torch.inference_mode():
+            logits = run().clone()
         stand_ins.append(EagerReplay(run, logits))
         return stand_ins[-1], logits
 
@@ -397,6 +407,8 @@ def test_mixed_steps_replay_token_bucket_graphs_on_the_cpu(tiny_llama, monkeypat
         backend.graphs[size] = record(backend.step_function(cache, size))
     mixed.capture(backend.run_model, record)
     assert [graph.kept for graph in mixed.graphs.values()] == [8, 8]
+    # one graph for steps of 2+ tokens: the eager step's, the decode graphs' and the buckets'
+    assert stats["unique_graphs"] == before + (1 if compile else 0)
     eager = []
     metadata = backend.metadata
     monkeypatch.setattr(backend, "metadata", lambda *args: eager.append(1) or metadata(*args))
@@ -419,6 +431,7 @@ def test_mixed_steps_replay_token_bucket_graphs_on_the_cpu(tiny_llama, monkeypat
     assert sum(replayed.values()) == backend.mixed_graph_steps
     assert backend.graph_steps > 0  # the decodes after the last chunk
     assert int(mixed.slots[63]) == backend.spare_slot  # padding tokens write the spare block
+    assert stats["unique_graphs"] == before + (1 if compile else 0)  # no step compiled anew
 
 
 def test_which_steps_a_mixed_graph_takes(tiny_llama):
