@@ -257,18 +257,33 @@ class EagerReplay:
         self.replays += 1
 
 
-def graphs_on_the_cpu(tiny_llama, monkeypatch, sizes, compile=False, compiler="aot_eager"):
-    """CudaPaged on the CPU (its kernel interpreted) serving an engine, with the static buffers
-    of graphs of `sizes` over the engine's cache and torch.compile's `compiler` (aot_eager: the
-    CPU's inductor is slow to build; dynamo's tracing is what these tests check).
-    (loaded, backend, engine)"""
+def graphs_on_the_cpu(
+    tiny_llama, monkeypatch, sizes, compile=False, compiler="aot_eager", num_blocks=40, **engine
+):
+    """CudaPaged on the CPU (its kernel interpreted) serving an engine (`num_blocks`, the
+    `engine` keywords), with the static buffers of graphs of `sizes` over the engine's cache and
+    torch.compile's `compiler` (aot_eager: the CPU's inductor is slow to build; dynamo's tracing
+    is what these tests check); the tile kernel taken as checked (a GPU checks it at start), so
+    mixed-step graphs get their buffers too. (loaded, backend, engine)"""
     loaded = load_model(str(tiny_llama), device="cpu", cpu_kernels=False)
     backend = CudaPaged(loaded.model, loaded.device, sizes, compile=compile)
     backend.compiler = compiler
+    backend.tiles = True
     monkeypatch.setattr(runtime, "pick_backend", lambda *args, **kwargs: backend)
-    engine = EngineLoop(loaded, num_blocks=40)
+    engine = EngineLoop(loaded, num_blocks=num_blocks, **engine)
     backend.allocate_static(engine.runner.kv_cache, loaded.max_model_len)
     return loaded, backend, engine
+
+
+def compiled_step(backend: CudaPaged, cache: PagedKVCache, compile: bool) -> int:
+    """The unique graphs dynamo had before `backend` compiled its eager step (`compile`)."""
+    stats = torch._dynamo.utils.counters["stats"]
+    before = stats["unique_graphs"]
+    if compile:
+        with torch.inference_mode():
+            backend.compile_step(cache)
+        assert backend.compile
+    return before
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
@@ -282,15 +297,13 @@ def test_graph_steps_on_the_cpu_match_transformers(tiny_llama, monkeypatch, comp
     if torch.cuda.is_available():
         pytest.skip("the CPU run of the graph path; on a GPU, tests/worker/test_cuda_path.py")
     loaded, backend, engine = graphs_on_the_cpu(tiny_llama, monkeypatch, [2, 4, 8], compile)
+    backend.mixed = None  # decode graphs alone: prompts run eagerly
     cache = engine.runner.kv_cache
     assert cache.keys[0].shape[0] == 41 * 16  # the spare block
+    before = compiled_step(backend, cache, compile)
     stats = torch._dynamo.utils.counters["stats"]
-    before = stats["unique_graphs"]
-    if compile:
-        with torch.inference_mode():
-            backend.compile_step(cache)
-        assert backend.compile
-        assert stats["unique_graphs"] == before + 1  # eager steps and graphs of 2+ share one
+    # eager steps and graphs of 2+ share one
+    assert stats["unique_graphs"] == before + (1 if compile else 0)
     compiled_graphs = dict(stats)
     vocab = loaded.model.config.vocab_size
     for size in backend.sizes:
@@ -375,20 +388,13 @@ def test_mixed_steps_replay_token_bucket_graphs_on_the_cpu(tiny_llama, monkeypat
         pytest.skip("the CPU run of the graph path; on a GPU, tests/worker/test_cuda_path.py")
     from services.worker.mixed_graphs import MixedGraphs
 
-    loaded = load_model(str(tiny_llama), device="cpu", cpu_kernels=False)
-    backend = CudaPaged(loaded.model, loaded.device, [2, 4, 8], compile=compile)
-    backend.compiler = "aot_eager"  # the CPU's inductor is slow to build
-    backend.tiles = True  # checked at start on a GPU
-    monkeypatch.setattr(runtime, "pick_backend", lambda *args, **kwargs: backend)
-    engine = EngineLoop(loaded, num_blocks=64, max_batch_prefill_tokens=40)
+    loaded, backend, engine = graphs_on_the_cpu(
+        tiny_llama, monkeypatch, [2, 4, 8], compile, num_blocks=64, max_batch_prefill_tokens=40
+    )
     cache = engine.runner.kv_cache
-    backend.allocate_static(cache, loaded.max_model_len)
+    compiled_step(backend, cache, compile)
     stats = torch._dynamo.utils.counters["stats"]
-    before = stats["unique_graphs"]
-    if compile:
-        with torch.inference_mode():
-            backend.compile_step(cache)
-        assert backend.compile
+    compiled = stats["unique_graphs"]  # (a graph an earlier test compiled serves here too)
     assert backend.mixed is not None and max(backend.mixed.graphs) == 2048  # the defaults
     # small buckets: every interpreted kernel program costs milliseconds here
     mixed = MixedGraphs(
@@ -408,7 +414,7 @@ def test_mixed_steps_replay_token_bucket_graphs_on_the_cpu(tiny_llama, monkeypat
     mixed.capture(backend.run_model, record)
     assert [graph.kept for graph in mixed.graphs.values()] == [8, 8]
     # one graph for steps of 2+ tokens: the eager step's, the decode graphs' and the buckets'
-    assert stats["unique_graphs"] == before + (1 if compile else 0)
+    assert stats["unique_graphs"] == compiled
     eager = []
     metadata = backend.metadata
     monkeypatch.setattr(backend, "metadata", lambda *args: eager.append(1) or metadata(*args))
@@ -431,7 +437,7 @@ def test_mixed_steps_replay_token_bucket_graphs_on_the_cpu(tiny_llama, monkeypat
     assert sum(replayed.values()) == backend.mixed_graph_steps
     assert backend.graph_steps > 0  # the decodes after the last chunk
     assert int(mixed.slots[63]) == backend.spare_slot  # padding tokens write the spare block
-    assert stats["unique_graphs"] == before + (1 if compile else 0)  # no step compiled anew
+    assert stats["unique_graphs"] == compiled  # no step compiled anew
 
 
 def test_which_steps_a_mixed_graph_takes(tiny_llama):
