@@ -53,8 +53,9 @@ def shape(
     over `kv_cache`."""
     config: Any = model.config
     heads = config.num_attention_heads
+    group = heads // getattr(config, "num_key_value_heads", heads)
     cache = kv_cache.keys[0]  # [num_slots, num_kv_heads, head_dim]
-    return cache.device, cache.dtype, int(cache.shape[2]), heads // int(cache.shape[1])
+    return cache.device, cache.dtype, int(cache.shape[2]), group
 
 
 def make_case(device: torch.device, dtype: torch.dtype, head_dim: int, group: int) -> Case:
