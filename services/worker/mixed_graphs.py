@@ -17,13 +17,12 @@ queries writes nothing):
 
 The padding tokens' keys go to the spare block and their attention output is zero, so no
 request's cache or logits see them. Steps a graph cannot hold run eagerly as before: prompt
-logprobs, LoRA adapters, more tokens than the largest bucket, more kept rows than a bucket
-keeps, flash-attn, or no tile kernel.
+logprobs, LoRA adapters, as many tokens as the largest bucket or more, more kept rows than a
+bucket keeps, flash-attn, or no tile kernel.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,8 +40,6 @@ from services.worker.paged_attention import (
     row_columns,
     split_queries,
 )
-
-log = logging.getLogger(__name__)
 
 # tokens per mixed graph: padding stays under 256 tokens, whose compute (an 8B model: 4 TFLOP,
 # ~6 ms on an H200 at 700 TFLOP/s) is less than an eager step's launches cost (11 ms for the
