@@ -43,15 +43,8 @@ from services.worker.backends import PackedBatch, TransformersPaged
 from services.worker.kv_cache import PagedKVCache
 from services.worker.lora import HOOKED
 from services.worker.mixed_graphs import MixedGraphs
-from services.worker.paged_attention import (
-    GRAPH_STEP,
-    IN_GRAPH,
-    METADATA_KWARG,
-    AttentionMetadata,
-    RowTables,
-    row_tables,
-    split_queries,
-)
+from services.worker.paged_attention import GRAPH_STEP, IN_GRAPH, METADATA_KWARG, AttentionMetadata
+from services.worker.row_tables import RowTables, row_tables, split_queries
 
 log = logging.getLogger(__name__)
 

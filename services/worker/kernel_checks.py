@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from services.worker import triton_attention, triton_tiles
 from services.worker.kv_cache import PagedKVCache
-from services.worker.paged_attention import TILE_QUERIES
+from services.worker.row_tables import TILE_QUERIES
 
 log = logging.getLogger(__name__)
 

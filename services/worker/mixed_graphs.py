@@ -31,10 +31,10 @@ import torch
 
 from services.worker.backends import PackedBatch
 from services.worker.kv_cache import PagedKVCache
-from services.worker.paged_attention import (
+from services.worker.paged_attention import AttentionMetadata
+from services.worker.row_tables import (
     ROW_QUERIES,
     TILE_QUERIES,
-    AttentionMetadata,
     RowTables,
     TileTables,
     row_columns,
@@ -130,7 +130,7 @@ class MixedGraphs:
 
     def fill(self, graph: MixedGraph, batch: PackedBatch, kept: list[int], block_size: int) -> int:
         """Copy the step into `graph`'s buffers: its tables, padded; its tokens and kept rows.
-        The prompt chunks attended as tiles"""
+        Returns how many of its prompt chunks the tile kernel attends."""
         tokens = graph.tokens
         num_tokens = batch.input_ids.shape[1]
         short, long = split_queries(batch)

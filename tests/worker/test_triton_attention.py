@@ -21,11 +21,10 @@ from services.worker.kv_cache import CacheShape, PagedKVCache
 from services.worker.loader import load_model
 from services.worker.paged_attention import (
     METADATA_KWARG,
-    ROW_QUERIES,
     AttentionMetadata,
     paged_attention_forward,
-    row_tables,
 )
+from services.worker.row_tables import ROW_QUERIES, row_tables
 from tests.support.engine_loop import EngineLoop, make_request
 from tests.support.reference import greedy_continuation, reference_model
 
