@@ -3,7 +3,8 @@
 # stages run in the order given, each cut to what is left of BUDGET seconds (a stage that
 # would get less than 30 s is skipped and says so):
 #   pytest          `pytest -m gpu`
-#   ab:SHAPE        torch.compile off and on in process (scripts/gpu_compile_ab.py)
+#   ab:SHAPE        torch.compile off and on in process (scripts/gpu_compile_ab.py; AB_MODES
+#                   picks of eager,compiled,unfused: unfused keeps q/k/v and gate/up apart)
 #   all:SHAPE       one launched server (compiled once) measured by benches pointed at it: 32
 #                   and 256 streams with the in-process engine at 32 beside, then 1 stream;
 #                   then the server's step timings (late plans, gaps, plan waits) to gpu.txt

@@ -4,8 +4,9 @@ replay alone) with its kernels' device times (the decode rows' keys split in ran
 not), a batch-32 decode step, the first token of one 128-token prompt (a mixed-step graph's
 replay, or an eager step) with its host time by operator, and the first tokens of 32 such
 prompts in one step, their attention through the Triton tile kernel and through SDPA (with that
-step's kernels). JSON objects on stdout, the last one whole. AB_MODES: which of the two to run
-("eager,compiled").
+step's kernels). JSON objects on stdout, the last one whole. AB_MODES: which modes to run
+("eager,compiled"; "unfused" is compiled with the q/k/v and gate/up projections apart, as
+before services/worker/fused_layers.py).
 
     [AB_MODES=eager] python3 scripts/gpu_compile_ab.py [SHAPE]   # default llama-3.2-1b
 """
@@ -27,6 +28,7 @@ from services.bench.ceiling import memory_roofline, timed_decode_steps
 from services.bench.random_model import build_random_model
 from services.engine import Engine
 from services.worker import triton_attention
+from services.worker.loader import load_model
 
 KV_CACHE_BYTES = 8_000_000_000  # each engine's cache (the two load one after the other)
 SALTS = itertools.count()  # every prompt of the run its own: no prefix-cache hit across calls
@@ -96,11 +98,13 @@ def decode_step_host(engine: Engine, vocab: int, steps: int = 20) -> list[list]:
     return rows
 
 
-def measure(folder: str, compile: bool, result: dict, report: dict) -> None:
+def measure(folder: str, mode: str, result: dict, report: dict) -> None:
     """The A/B's numbers of one mode into `result` (part of `report`, printed once the host
     profile is in, so that a run cut short still tells where an eager step's time goes)."""
     started = time.perf_counter()
-    engine = Engine(folder, compile=compile, kv_cache_memory=KV_CACHE_BYTES)
+    model = load_model(folder, fuse_projections=mode != "unfused")
+    result["fused"] = model.projections_fused
+    engine = Engine(model, compile=mode != "eager", kv_cache_memory=KV_CACHE_BYTES)
     result["load_s"] = round(time.perf_counter() - started, 1)
     backend = engine.runner.backend
     result["compiled"] = bool(getattr(backend, "compile", False))
@@ -161,7 +165,7 @@ def main() -> None:
     modes = os.environ.get("AB_MODES", "eager,compiled").split(",")
     for mode in modes:
         report[mode] = {}
-        measure(folder, mode == "compiled", report[mode], report)
+        measure(folder, mode, report[mode], report)
         print(json.dumps(report), flush=True)  # what is done so far, should a limit end it
 
 

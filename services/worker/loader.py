@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from services.worker import fast_decoder, flash_attention, kernels, paged_attention
+from services.worker import fast_decoder, flash_attention, fused_layers, kernels, paged_attention
 from services.worker.kernels import CpuKernels
 from services.worker.kv_cache import CacheShape
 from services.worker.quantization import QuantizationError, quantization_config
@@ -42,6 +42,8 @@ class LoadedModel:
     kernels: CpuKernels | None = None
     quantize: str | None = None  # --quantize: quantized modules (no CUDA graphs over them)
     world_size: int = 1  # tensor-parallel ranks of the group
+    # q/k/v and gate/up each one matmul in transformers' modules (services/worker/fused_layers.py)
+    projections_fused: bool = False
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -107,10 +109,13 @@ def load_model(
     quantize: str | None = None,
     world_size: int = 1,
     cpu_kernels: bool = True,
+    fuse_projections: bool = True,
 ) -> LoadedModel:
     """The model, ready for the paged engine. With world_size > 1 the caller has joined a
     torch.distributed group (services.worker.distributed) and gets this rank's shard. With
-    cpu_kernels, a paged model the fast decoder can run on this CPU runs on it."""
+    cpu_kernels, a paged model the fast decoder can run on this CPU runs on it; any other
+    paged model runs transformers' modules, their projections fused where they can be
+    (services/worker/fused_layers.py; `fuse_projections` False keeps them apart, for A/B runs)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     paged_attention.register()
@@ -176,6 +181,9 @@ def load_model(
     decoder = None
     if runner == "paged" and not flash_attention.is_available(target, shape):
         decoder = fast_decoder.build(model, target, quantize, world_size, ops)
+    fused = False
+    if runner == "paged" and decoder is None and fuse_projections:
+        fused = fused_layers.fuse(model, quantize, world_size)
     log.info(
         "loaded %s (%s%s, %s) from %s",
         model_id,
@@ -196,4 +204,5 @@ def load_model(
         kernels=ops,
         quantize=quantize,
         world_size=world_size,
+        projections_fused=fused,
     )

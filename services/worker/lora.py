@@ -253,15 +253,33 @@ class LoraSet:
 
 
 def linear_modules(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
-    """The model's Linear layers (bitsandbytes' included) but its output head: name -> (in,
-    out). These are what PEFT adapters may target."""
+    """The names PEFT adapters may target: the model's Linear layers (bitsandbytes' included)
+    but its output head, and the projections a fused layer holds -> (in, out)."""
+    return {
+        part: (module.in_features, out)
+        for name, module in _linears(model)
+        for part, out in _parts(name, module)
+    }
+
+
+def _linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
     output_embeddings = getattr(model, "get_output_embeddings", None)
     head = output_embeddings() if callable(output_embeddings) else None
-    return {
-        name: (module.in_features, module.out_features)
+    return [
+        (name, module)
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.Linear) and module is not head
-    }
+    ]
+
+
+def _parts(name: str, module: torch.nn.Linear) -> tuple[tuple[str, int], ...]:
+    """(adaptable name, out features) of each projection a Linear computes: several for a
+    FusedLinear (services/worker/fused_layers.py: its `parts` are its parent's attributes)."""
+    fused = getattr(module, "parts", None)
+    if fused is None:
+        return ((name, module.out_features),)
+    parent = name.rpartition(".")[0]
+    return tuple((f"{parent}.{part}" if parent else part, out) for part, out in fused)
 
 
 HOOKED = "_textgen_lora"  # the model attribute naming the LoraSet its hooks apply
@@ -288,22 +306,22 @@ def hook_modules(model: torch.nn.Module, lora: LoraSet) -> None:
         module.register_forward_hook(hook)
 
 
-def module_ops(model: torch.nn.Module, modules: dict[str, tuple[int, int]]) -> dict[str, LoraOp]:
-    """One op per Linear module (transformers' modules run each on its own); under tensor
-    parallelism each rank's slice of a sharded module (transformers' column- and row-wise
-    plans shard weights as DTensors)."""
+def module_ops(model: torch.nn.Module) -> dict[str, LoraOp]:
+    """One op per Linear module (transformers' modules run each on its own; a fused one holds
+    several projections); under tensor parallelism each rank's slice of a sharded module
+    (transformers' column- and row-wise plans shard weights as DTensors)."""
     ops = {}
-    for name, (in_features, out_features) in modules.items():
-        op = LoraOp(name, ((name, out_features),), in_features)
-        weight: Any = model.get_submodule(name).weight  # a DTensor under tensor parallelism
+    for name, module in _linears(model):
+        op = LoraOp(name, _parts(name, module), module.in_features)
+        weight: Any = module.weight  # a DTensor under tensor parallelism
         placements = getattr(weight, "placements", None)
         if placements:  # a DTensor: Shard(0) splits the output, Shard(1) the input
             dim = getattr(placements[0], "dim", None)
             world, rank = weight.device_mesh.size(), weight.device_mesh.get_local_rank()
             if dim == 0:
-                op = replace(op, out_slice=_chunk(out_features, world, rank))
+                op = replace(op, out_slice=_chunk(module.out_features, world, rank))
             elif dim in (1, -1):
-                op = replace(op, in_slice=_chunk(in_features, world, rank))
+                op = replace(op, in_slice=_chunk(module.in_features, world, rank))
         ops[name] = op
     return ops
 

@@ -113,8 +113,10 @@ class WorkerMetrics:
             "onednn; empty without the CPU kernels); bf16_attention: what the kernel attends "
             "bfloat16 prompt chunks with (dot: AVX512-BF16 dot products, where the matmuls keep "
             "theirs, widen: FMAs of widened keys and values; empty without the CPU kernels; on "
-            "AMX torch's fused attention takes chunks of 64 queries or more)",
-            ["kernel", "instruction_set", "bf16_matmul", "bf16_attention"],
+            "AMX torch's fused attention takes chunks of 64 queries or more); projections: "
+            "fused where q/k/v and gate/up are one matmul each (the fast CPU decoder, and "
+            "transformers' Llama, Mistral and Qwen2 modules), else apart",
+            ["kernel", "instruction_set", "bf16_matmul", "bf16_attention", "projections"],
             registry=r,
         )
         self.graph_steps = Counter(

@@ -148,8 +148,7 @@ def lora_set(
         decoder.lora = lora
     elif isinstance(backend, TransformersPaged):
         model = backend.model
-        modules = linear_modules(model)
-        lora = LoraSet(max_loras, dtype, modules, module_ops(model, modules))
+        lora = LoraSet(max_loras, dtype, linear_modules(model), module_ops(model))
         lora.install = lambda: hook_modules(model, lora)
     else:
         return None

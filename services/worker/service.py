@@ -108,8 +108,13 @@ class WorkerService:
         instruction_set = kernels.level if kernels is not None else ""
         bf16_matmul = kernels.matmul.kind(torch.bfloat16) if kernels is not None else ""
         bf16_attention = kernels.bf16_attention if kernels is not None else ""
+        fused = loaded.decoder is not None or loaded.projections_fused  # the decoder fuses too
         self.metrics.attention.labels(
-            self.runner.attention, instruction_set, bf16_matmul, bf16_attention
+            self.runner.attention,
+            instruction_set,
+            bf16_matmul,
+            bf16_attention,
+            "fused" if fused else "apart",
         ).set(1)
         self.last_step_id = 0
         self.started_at = time.time()  # identifies this worker's lifetime to its scheduler

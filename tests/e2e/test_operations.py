@@ -146,7 +146,7 @@ def test_metrics_of_all_three_services_follow_a_run(tiny_cluster):
         bf16 = [("avx512bf16", "dot"), ("avx512widen", "widen")]
     infos = [
         f'textgen_worker_attention_info{{bf16_attention="{attention}",bf16_matmul="{name}",'
-        f'instruction_set="{level}",kernel="cpu-kernels"}}'
+        f'instruction_set="{level}",kernel="cpu-kernels",projections="fused"}}'
         for name, attention in bf16
     ]
     assert sum(total(tiny_cluster, "worker", info) for info in infos) == 2

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers as T
 
-from services.worker.loader import UnsupportedModel, load_model
+from services.worker.loader import LoadedModel, UnsupportedModel, load_model
 from tests.support.engine_loop import EngineLoop, make_request
 from tests.support.tiny_models import make_tiny_llama, train_tokenizer
 
@@ -82,8 +82,8 @@ def build(folder: Path, make_config) -> Path:
     return folder
 
 
-def check_parity(folder: Path, runner: str) -> None:
-    loaded = load_model(str(folder))
+def check_parity(folder: Path, runner: str, **load_kwargs) -> LoadedModel:
+    loaded = load_model(str(folder), **load_kwargs)
     assert loaded.runner == runner
     reference = T.AutoModelForCausalLM.from_pretrained(folder).eval()
     prompts = [[1, *range(5, 5 + n)] for n in (4, 30, 70)]
@@ -114,6 +114,7 @@ def check_parity(folder: Path, runner: str) -> None:
     assert engine.scheduler.counters.num_prefill_chunks > 0  # chunked prefill happened
     assert max(engine.step_sizes) == 3  # all three in one step at some point
     assert engine.scheduler.blocks.num_free_blocks == 64
+    return loaded
 
 
 FAST_DECODER_MODELS = {"mistral", "qwen2"}  # and llama: Llama-shaped, on the CPU kernels

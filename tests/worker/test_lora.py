@@ -1,7 +1,8 @@
 """LoRA adapters in the worker: each request's greedy output equals transformers + PEFT with its
 adapter, alone and in one batch that mixes three adapters and the base model, on the fast CPU
 decoder (Llama, fused q/k/v and gate/up) and on transformers' own modules (Llama without the
-kernels, GPT-NeoX's fused query_key_value)."""
+kernels, its q/k/v and gate/up fused there too: services/worker/fused_layers.py; GPT-NeoX's
+own fused query_key_value)."""
 
 from __future__ import annotations
 
@@ -94,6 +95,7 @@ def setup(request, tmp_path_factory):
     expected[""] = reference(base, None)
     loaded = load_model(str(base), cpu_kernels=request.param != "llama-modules")
     assert (loaded.decoder is not None) == (request.param == "llama-fast")
+    assert loaded.projections_fused == (request.param == "llama-modules")  # q/k/v, gate/up fused
     return loaded, refs, expected
 
 
