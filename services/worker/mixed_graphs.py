@@ -43,8 +43,9 @@ from services.worker.row_tables import (
 
 # tokens per mixed graph: padding stays under 256 tokens, whose compute (an 8B model: 4 TFLOP,
 # ~6 ms on an H200 at 700 TFLOP/s) is less than an eager step's launches cost (11 ms for the
-# 16 layers of Llama-3.2-1B's shape there)
-BUCKETS = (32, 64, 128, *range(256, 2049, 256))
+# 16 layers of Llama-3.2-1B's shape there); 192 and 384 hold a 128-token prompt beside 31 or
+# 255 decodes (159 and 383 tokens) with less padding than 256 and 512
+BUCKETS = (32, 64, 128, 192, 256, 384, *range(512, 2049, 256))
 
 
 @dataclass

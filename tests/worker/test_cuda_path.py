@@ -80,6 +80,7 @@ def test_alone_and_busy_batch_with_chunked_prefill_match_generate(tiny_llama, dt
     engine = EngineLoop(loaded, num_blocks=200, max_batch_prefill_tokens=64, compile=True)
     assert engine.runner.attention == TRITON and backend(engine).graphs
     assert backend(engine).compile  # the graphs hold torch.compile's kernels
+    assert loaded.projections_fused  # q/k/v and gate/up one matmul each (fused_layers.py)
     requests = [make_request(p, max_new_tokens=8 + (i * 5) % 20) for i, p in enumerate(prompts(12))]
     expected = expected_tokens(reference, requests, loaded.eos_token_ids)
     exact = dtype == "float32"
