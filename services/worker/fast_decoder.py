@@ -44,13 +44,13 @@ import torch.nn.functional as F
 
 from services.worker import dense_prefill, huge_pages, kernels, packed_linear
 from services.worker.dense_prefill import AttentionSplit, attend_dense
+from services.worker.fused_layers import llama_shaped_reason
 from services.worker.kv_cache import PagedKVCache
 from services.worker.lora import LoraOp, LoraSet
 from services.worker.packed_linear import PackedLinear, pack
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")  # config.model_type values of this shape
 FAST_DECODER = "cpu-kernels"  # the attention name the worker reports (/info model_attention)
 
 
@@ -108,12 +108,9 @@ def unsupported_reason(
     config = model.config
     if device.type != "cpu":
         return f"it runs on the CPU only, not {device.type}"
-    if getattr(config, "model_type", None) not in ARCHITECTURES:
-        return f"{config.model_type} is not one of {', '.join(ARCHITECTURES)}"
-    if quantize or getattr(config, "quantization_config", None):
-        return "the model is quantized"
-    if world_size > 1:
-        return "the model is sharded over tensor-parallel ranks"
+    reason = llama_shaped_reason(model, quantize, world_size)
+    if reason is not None:
+        return reason
     if getattr(config, "hidden_act", None) != "silu" or getattr(config, "mlp_bias", False):
         return "its MLP is not a bias-free SiLU gate"
     dtype = model.dtype

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.worker.fast_decoder import ARCHITECTURES
-
 log = logging.getLogger(__name__)
+
+ARCHITECTURES = ("llama", "mistral", "qwen2")  # config.model_type values of Llama's shape
 
 QKV = ("q_proj", "k_proj", "v_proj")  # transformers' (and PEFT's) names of what each fuses
 GATE_UP = ("gate_proj", "up_proj")
@@ -75,8 +75,9 @@ class FusedLinear(nn.Linear):
         return [width for _, width in self.parts]
 
 
-def unfusable_reason(model: Any, quantize: str | None, world_size: int) -> str | None:
-    """Why `model`'s projections cannot be fused, or None when they can."""
+def llama_shaped_reason(model: Any, quantize: str | None, world_size: int) -> str | None:
+    """Why `model` is not a Llama-shaped decoder of plain weights on one rank (what the fused
+    layers and the fast CPU decoder take), or None when it is."""
     config = model.config
     if getattr(config, "model_type", None) not in ARCHITECTURES:
         return f"{config.model_type} is not one of {', '.join(ARCHITECTURES)}"
@@ -84,6 +85,14 @@ def unfusable_reason(model: Any, quantize: str | None, world_size: int) -> str |
         return "the model is quantized"
     if world_size > 1:
         return "the model is sharded over tensor-parallel ranks"
+    return None
+
+
+def unfusable_reason(model: Any, quantize: str | None, world_size: int) -> str | None:
+    """Why `model`'s projections cannot be fused, or None when they can."""
+    reason = llama_shaped_reason(model, quantize, world_size)
+    if reason is not None:
+        return reason
     for layer in model.model.layers:
         attention, mlp = layer.self_attn, layer.mlp
         for module, names in ((attention, QKV), (mlp, GATE_UP)):

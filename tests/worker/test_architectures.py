@@ -16,27 +16,19 @@ from tests.support.engine_loop import EngineLoop, make_request
 from tests.support.tiny_models import make_tiny_llama, train_tokenizer
 
 COMMON = {"bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.2}
+# the Llama-shaped configs' sizes (GQA: 4 heads, 2 key/value heads)
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    **COMMON,
+)
 PAGED = {
-    "mistral": lambda v: T.MistralConfig(
-        vocab_size=v,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        **COMMON,
-    ),
-    "qwen2": lambda v: T.Qwen2Config(
-        vocab_size=v,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        **COMMON,
-    ),
+    "mistral": lambda v: T.MistralConfig(vocab_size=v, **SHAPE),
+    "qwen2": lambda v: T.Qwen2Config(vocab_size=v, **SHAPE),
     "gpt_neox": lambda v: T.GPTNeoXConfig(
         vocab_size=v,
         hidden_size=64,

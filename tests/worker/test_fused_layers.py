@@ -14,17 +14,8 @@ import transformers as T
 from services.worker import fused_layers
 from services.worker.fused_layers import FusedLinear
 from services.worker.loader import load_model
-from tests.worker.test_architectures import COMMON, PAGED, build, check_parity
+from tests.worker.test_architectures import PAGED, SHAPE, build, check_parity
 
-SHAPE = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    **COMMON,
-)
 MODELS = {
     "llama": lambda v: T.LlamaConfig(vocab_size=v, tie_word_embeddings=False, **SHAPE),
     "llama-biased": lambda v: T.LlamaConfig(vocab_size=v, attention_bias=True, **SHAPE),
