@@ -98,11 +98,13 @@ step_lines() {  # STEP_LOG's servers' logs into logs.txt: all but DEBUG, and the
     done
 }
 broker_metrics() {  # SHAPE: the scheduler's and worker's step timings and how many steps
-    # replayed a decode graph, a mixed-step graph or ran compiled outside one, after the benches
+    # replayed a decode graph, a mixed-step graph or ran compiled outside one, after the benches;
+    # and the worker's attention info (its kernel, its projections fused or apart)
     python3 - "$1" >>"$out/gpu.txt" <<'EOF'
 import re, sys, urllib.request
 wanted = re.compile(r"^textgen_((worker_(plan_late|step_gap|step_duration)|scheduler_plan_wait)"
-                    r"_seconds_(sum|count)|worker_(cuda_graph|mixed_graph|compiled)_steps_total)")
+                    r"_seconds_(sum|count)|worker_(cuda_graph|mixed_graph|compiled)_steps_total"
+                    r"|worker_attention_info)")  # the last: kernel and projections=fused|apart
 for port in (9100, 9101, 9102):
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
