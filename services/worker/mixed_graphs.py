@@ -78,7 +78,7 @@ class MixedGraphs:
         buckets: tuple[int, ...] = BUCKETS,
     ) -> None:
         device = block_tables.device
-        largest = buckets[-1]
+        largest = max(buckets)
         self.block_tables = block_tables
         self.spare_slot = spare_slot
         # rows, row_request, row_lens; tiles' start, rows, request, lens: one bucket uses the
@@ -88,7 +88,7 @@ class MixedGraphs:
         self.slots = torch.full((largest,), spare_slot, dtype=torch.long, device=device)
         self.graphs: dict[int, MixedGraph] = {}
         with torch.inference_mode(False):  # plain tensors, as the decode graphs' inputs
-            for tokens in buckets:
+            for tokens in sorted(buckets):  # ascending: pick takes the first that holds a step
                 ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
                 num_tiles = tokens // ROW_QUERIES  # a tile holds more than ROW_QUERIES queries
                 tables = RowTables(
