@@ -102,9 +102,9 @@ def measure(folder: str, mode: str, result: dict, report: dict) -> None:
     """The A/B's numbers of one mode into `result` (part of `report`, printed once the host
     profile is in, so that a run cut short still tells where an eager step's time goes)."""
     started = time.perf_counter()
-    model = load_model(folder, fuse_projections=mode != "unfused")
-    result["fused"] = model.projections_fused
-    engine = Engine(model, compile=mode != "eager", kv_cache_memory=KV_CACHE_BYTES)
+    loaded = load_model(folder, fuse_projections=mode != "unfused")
+    result["fused"] = loaded.projections_fused
+    engine = Engine(loaded, compile=mode != "eager", kv_cache_memory=KV_CACHE_BYTES)
     result["load_s"] = round(time.perf_counter() - started, 1)
     backend = engine.runner.backend
     result["compiled"] = bool(getattr(backend, "compile", False))

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from services.worker import dense_prefill, huge_pages, kernels, packed_linear
 from services.worker.dense_prefill import AttentionSplit, attend_dense
-from services.worker.fused_layers import llama_shaped_reason
+from services.worker.fused_layers import llama_shaped_reason, sliding_window
 from services.worker.kv_cache import PagedKVCache
 from services.worker.lora import LoraOp, LoraSet
 from services.worker.packed_linear import PackedLinear, pack
@@ -231,10 +231,6 @@ class FastDecoder:
             ("up_proj", mlp.up_proj),
         )
         self._lora_op(f"{index}.down", f"{prefix}.mlp", ("down_proj", mlp.down_proj))
-        if hasattr(attention, "sliding_window"):
-            window = attention.sliding_window
-        else:  # Mistral's attention reads it from the config
-            window = getattr(config, "sliding_window", None)
         arena = self.arena
         return Layer(
             input_norm=layer.input_layernorm.weight.detach(),
@@ -243,7 +239,7 @@ class FastDecoder:
             post_norm=layer.post_attention_layernorm.weight.detach(),
             gate_up=pack(self.ops, mlp.gate_proj, mlp.up_proj, gated=True, arena=arena),
             down=pack(self.ops, mlp.down_proj, arena=arena),
-            sliding_window=window,
+            sliding_window=sliding_window(attention, config),
             scaling=attention.scaling,
         )
 

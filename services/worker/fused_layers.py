@@ -88,6 +88,14 @@ def llama_shaped_reason(model: Any, quantize: str | None, world_size: int) -> st
     return None
 
 
+def sliding_window(attention: Any, config: Any) -> int | None:
+    """The keys a query of this attention layer sees (its own included); None: all before it.
+    Qwen2 keeps it per layer, Mistral reads it from the config, Llama has none."""
+    if hasattr(attention, "sliding_window"):
+        return attention.sliding_window
+    return getattr(config, "sliding_window", None)
+
+
 def unfusable_reason(model: Any, quantize: str | None, world_size: int) -> str | None:
     """Why `model`'s projections cannot be fused, or None when they can."""
     reason = llama_shaped_reason(model, quantize, world_size)
@@ -148,10 +156,7 @@ def _attention_forward(
     query, key = self.rotate(query, key, cos, sin)
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-    if hasattr(self, "sliding_window"):  # Qwen2's, per layer
-        window = self.sliding_window
-    else:  # Mistral reads it from the config; Llama has none
-        window = getattr(self.config, "sliding_window", None)
+    window = sliding_window(self, self.config)
     if window is not None:
         kwargs["sliding_window"] = window
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(
