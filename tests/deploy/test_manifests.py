@@ -41,6 +41,7 @@ OTHER_ENV = {
     "NVIDIA_VISIBLE_DEVICES",
     "NVIDIA_DRIVER_CAPABILITIES",
     "OMP_NUM_THREADS",
+    "GOMP_SPINCOUNT",
     "PYTHONUNBUFFERED",
 }
 DEFAULT_PORT = Settings.model_fields["port"].default

@@ -36,6 +36,7 @@ import pytest
 import yaml
 
 from services.launcher.cli import COMMANDS, build_parser
+from shared.openmp import SPINCOUNT
 from shared.settings import Settings, settings_from_args
 from tests.deploy.test_manifests import (
     COMPOSE,
@@ -83,6 +84,7 @@ def run_compose(files: tuple[str, ...] | list[Path], *args: str) -> subprocess.C
         "LOG_LEVEL",
         "DEVICE",
         "DTYPE",
+        "GOMP_SPINCOUNT",
         "MODELS_DIR",
         "TEXTGEN_TAG",
         "HF_TOKEN",
@@ -317,6 +319,17 @@ def test_compose_healthchecks_hit_readiness(files: tuple[str, ...]) -> None:
             assert (url.port, url.path) == (int(env.get("PORT") or 3000), "/health"), name
         else:
             assert (url.port, url.path) == (int(env["METRICS_PORT"]), "/ready"), name
+
+
+def test_cpu_workers_spin_briefly_as_under_textgen_launch() -> None:
+    """A CPU worker shares its cores with the scheduler, the gateway and Redis in compose, and
+    with its node's other pods in the k8s CPU overlay: its OpenMP threads get the spin count
+    `textgen launch` gives them (shared/openmp.py), every group's worker alike."""
+    compose = compose_runs(("compose.yaml", "compose.group1.yaml"))
+    workers = [env for _, argv, env in compose if textgen_subcommand(argv) == "worker"]
+    workers += [env for _, argv, env in k8s_runs("cpu") if textgen_subcommand(argv) == "worker"]
+    assert len(workers) == 3
+    assert all(env.get("GOMP_SPINCOUNT") == SPINCOUNT for env in workers), workers
 
 
 def probe_target(container: dict, probe: str) -> tuple[int, str]:

@@ -176,12 +176,16 @@ def test_without_redis_url_it_says_so(namespace):
 
 LIVE_NAMESPACE = "queue-live"
 MAX_BATCH = 2
+STEP_MS = 15  # the simulated workers' step: a wave of 150-token requests takes 2.25 s
 
 
 @pytest.fixture(scope="module")
 def live_cluster(redis_url, tiny_llama):
-    """Two groups of at most 2 running requests each, so that a burst waits in the stream."""
-    args = [*CLUSTER_ARGS, "--max-batch-size", str(MAX_BATCH)]
+    """Two groups of at most 2 running requests each, so that a burst waits in the stream;
+    simulated workers (a step takes STEP_MS, whatever the host's speed), so that requests
+    stay queued for a known time: the real tiny Llama makes 150 tokens in a fraction of a
+    second, and the live view then found the stream already empty."""
+    args = [*CLUSTER_ARGS, "--max-batch-size", str(MAX_BATCH), "--fake-step-ms", str(STEP_MS)]
     cluster = Cluster(redis_url, LIVE_NAMESPACE, tiny_llama, num_groups=2, args=args)
     try:
         yield cluster.start()
@@ -223,7 +227,7 @@ def test_live_view_while_requests_wait(live_cluster, redis_url):
             while client.xlen(requests_key) < num_requests and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)  # until every request reached the stream
             # the last entry is the last one any scheduler gets: it stays queued while the
-            # first two waves (2 groups x 2 requests each) generate their tokens (seconds each)
+            # first two waves (2 groups x 2 requests each) generate their tokens (4.5 s)
             last_entry = client.xrevrange(requests_key, count=1)[0]
             request_id = decode(last_entry[1][FIELD], GenerateRequest).request_id
             state, snapshot = await asyncio.gather(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import redis
 from shared.channels import Channels
 from shared.codec import decode
 from shared.messages import SchedulerStats
+from shared.openmp import share_cores
 from tests.support.redis_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,8 +62,11 @@ class Cluster:
             *self.args,
             *flags,
         ]
+        env = dict(os.environ)
+        if command == "worker":  # as `textgen launch` gives them: the cores are shared
+            share_cores(env)
         self.processes[name] = subprocess.Popen(
-            argv, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT
+            argv, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT
         )
 
     def start(self, timeout: float = 180.0) -> Cluster:
@@ -166,17 +171,25 @@ class Cluster:
         while sum(s.num_running for s in self.stats().values()) < count:
             await asyncio.sleep(0.01)
 
-    def wait_idle(self, timeout: float = 30.0) -> dict[str, SchedulerStats]:
-        """Stats once every group has no request and every block is free again."""
+    def wait_idle(
+        self, timeout: float = 30.0, groups: list[str] | None = None
+    ) -> dict[str, SchedulerStats]:
+        """Stats once every group of `groups` (default: all) has no request and every block
+        free again; TimeoutError when that takes over `timeout` seconds."""
+        groups = self.groups if groups is None else groups
         deadline = time.monotonic() + timeout
         while True:
             stats = self.stats()
-            idle = len(stats) == self.num_groups and all(
-                s.num_running == 0 and s.num_waiting == 0 and s.num_free_blocks == s.num_blocks
-                for s in stats.values()
-            )
-            if idle or time.monotonic() > deadline:
+            if all(
+                g in stats
+                and stats[g].num_running == 0
+                and stats[g].num_waiting == 0
+                and stats[g].num_free_blocks == stats[g].num_blocks
+                for g in groups
+            ):
                 return stats
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"groups {groups} not idle after {timeout} s: {stats}")
             time.sleep(0.1)
 
     def log_tails(self, num_chars: int = 3000) -> str:
