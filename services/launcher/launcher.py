@@ -21,7 +21,7 @@ from collections.abc import Callable
 from services.launcher.embedded_redis import EmbeddedRedis
 from shared.adapters import startup_refs
 from shared.model_files import resolve_model_dir
-from shared.openmp import IO_CPUS_ENV, cpu_list, share_cores, split_cpus
+from shared.openmp import IO_CPUS_ENV, cpu_list, share_cores, share_threads, split_cpus
 from shared.redis_connect import redact_url
 from shared.settings import Settings
 
@@ -152,6 +152,18 @@ class Launcher:
             cpus = workers if is_worker else others
             if is_worker:  # its event loop moves to the others' once its torch thread exists
                 env[IO_CPUS_ENV] = cpu_list(others)
+        if is_worker:
+            worker_cpus = self.placement[0] if self.placement else os.sched_getaffinity(0)
+            processes = self.settings.num_groups * self.settings.num_shard
+            threads = share_threads(env, len(worker_cpus), processes)
+            if threads is not None:
+                log.info(
+                    "%s computes on %d threads: %d CPUs over %d worker processes",
+                    name,
+                    threads,
+                    len(worker_cpus),
+                    processes,
+                )
         self.children[name] = subprocess.Popen(
             command, env=env, start_new_session=True, preexec_fn=child_setup(cpus)
         )

@@ -119,6 +119,13 @@ class WorkerMetrics:
             ["kernel", "instruction_set", "bf16_matmul", "bf16_attention", "projections"],
             registry=r,
         )
+        self.torch_threads = Gauge(
+            "textgen_worker_torch_threads",
+            "threads a forward pass computes on (torch's pool and textgen's CPU kernels): "
+            "OMP_NUM_THREADS, which `textgen launch` sets to each worker process's share of the "
+            "CPUs when several share them, else every CPU the worker may use",
+            registry=r,
+        )
         self.graph_steps = Counter(
             "textgen_worker_cuda_graph_steps",
             "decode steps replayed from a CUDA graph (the rest ran eagerly)",

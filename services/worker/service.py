@@ -116,6 +116,7 @@ class WorkerService:
             bf16_attention,
             "fused" if fused else "apart",
         ).set(1)
+        self.metrics.torch_threads.set(torch.get_num_threads())
         self.last_step_id = 0
         self.started_at = time.time()  # identifies this worker's lifetime to its scheduler
         self._ready_bytes = encode(self.ready_message())
@@ -147,10 +148,11 @@ class WorkerService:
             await AdapterRegistry(self.redis, channels).register_startup(self.startup_adapters)
         await self._beat()
         log.info(
-            "worker group %s ready: %d blocks of %d tokens",
+            "worker group %s ready: %d blocks of %d tokens, %d torch threads",
             self.group,
             self.runner.kv_cache.num_blocks,
             self.runner.kv_cache.block_size,
+            torch.get_num_threads(),
         )
 
     async def run(self) -> None:

@@ -43,7 +43,7 @@ def is_alive(pid: int) -> bool:
 
 def launch(model: Path, port: int, *flags: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for name in ("REDIS_URL", *USER_CHOICES):
+    for name in ("REDIS_URL", "OMP_NUM_THREADS", *USER_CHOICES):
         env.pop(name, None)
     return subprocess.Popen(
         [
@@ -259,9 +259,13 @@ def test_launch_starts_several_groups_that_all_serve(start):
         time.sleep(0.5)
     assert sorted(g["group"] for g in listed) == ["0", "1"]
     assert all(g["state"] == "ok" for g in listed), listed
+    # each worker computes on its share of the CPUs, not a pool of every CPU per worker
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
     for offset in range(4):  # scheduler 0, worker 0, scheduler 1, worker 1
         metrics = httpx.get(f"http://127.0.0.1:{metrics_port + offset}/metrics", timeout=10)
         assert metrics.status_code == 200
+        if offset % 2:
+            assert f"textgen_worker_torch_threads {threads}.0" in metrics.text
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=60) == 0
 

@@ -1,5 +1,5 @@
-"""shared.openmp: the spin-wait a core-sharing worker gets, unless the user chose one, and
-the CPU lists of --worker-cpus."""
+"""shared.openmp: the spin-wait a core-sharing worker gets, unless the user chose one, the
+threads each of several worker processes gets, and the CPU lists of --worker-cpus."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from shared.openmp import (
     move_to_io_cpus,
     parse_cpus,
     share_cores,
+    share_threads,
     split_cpus,
 )
 
@@ -32,6 +33,22 @@ def test_a_users_choice_wins(name, value):
     env = {name: value}
     assert share_cores(env) is False
     assert env == {name: value}
+
+
+@pytest.mark.parametrize(
+    ("num_cpus", "num_processes", "threads"), [(2, 2, 1), (16, 4, 4), (6, 4, 1), (2, 3, 1)]
+)
+def test_several_workers_split_the_cpus(num_cpus, num_processes, threads):
+    env = {"PATH": "/bin"}
+    assert share_threads(env, num_cpus, num_processes) == threads
+    assert env == {"PATH": "/bin", "OMP_NUM_THREADS": str(threads)}
+
+
+def test_one_worker_or_a_users_thread_count_is_left_alone():
+    env = {"PATH": "/bin"}
+    assert share_threads(env, 8, 1) is None and env == {"PATH": "/bin"}
+    env = {"OMP_NUM_THREADS": "3"}
+    assert share_threads(env, 8, 2) is None and env == {"OMP_NUM_THREADS": "3"}
 
 
 @pytest.mark.parametrize(

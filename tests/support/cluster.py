@@ -22,7 +22,7 @@ import redis
 from shared.channels import Channels
 from shared.codec import decode
 from shared.messages import SchedulerStats
-from shared.openmp import share_cores
+from shared.openmp import share_cores, share_threads
 from tests.support.redis_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,6 +65,9 @@ class Cluster:
         env = dict(os.environ)
         if command == "worker":  # as `textgen launch` gives them: the cores are shared
             share_cores(env)
+            args = [*self.args, *flags]
+            shards = int(args[args.index("--num-shard") + 1]) if "--num-shard" in args else 1
+            share_threads(env, len(os.sched_getaffinity(0)), self.num_groups * shards)
         self.processes[name] = subprocess.Popen(
             argv, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT
         )
