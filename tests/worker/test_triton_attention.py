@@ -376,13 +376,21 @@ def test_graphs_smaller_than_the_compiled_eager_step_compile(tiny_llama, monkeyp
     assert backend.compile
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-def test_mixed_steps_replay_token_bucket_graphs_on_the_cpu(tiny_llama, monkeypatch, compile):
+@pytest.mark.parametrize(
+    ("compile", "prompt_lens"),
+    [(False, (3, 50, 12, 30, 20)), (True, (3, 50))],
+    ids=["eager", "compiled"],
+)
+def test_mixed_steps_replay_token_bucket_graphs_on_the_cpu(
+    tiny_llama, monkeypatch, compile, prompt_lens
+):
     """Steps with prompt chunks (decodes beside them) replay the graph of the smallest token
     bucket that holds them, each replay run eagerly here over the static buffers: padded rows
     and tiles the kernels skip, padding tokens on the spare block. Greedy-equal to
     transformers, and no step of the busy batch ran eagerly; traced by torch.compile (aot_eager
-    here), the buckets' shapes compile nothing beyond the one eager-step graph."""
+    here), the buckets' shapes compile nothing beyond the one eager-step graph. Compiled, two
+    requests: a chunk of the 50-token prompt beside the 3-token one (the 48-token bucket), then
+    its rest beside a decode (the 24-token one); each interpreted step costs seconds."""
     if torch.cuda.is_available():
         pytest.skip("the CPU run of the graph path; on a GPU, tests/worker/test_cuda_path.py")
     from services.worker.mixed_graphs import MixedGraphs
@@ -397,7 +405,7 @@ def test_mixed_steps_replay_token_bucket_graphs_on_the_cpu(tiny_llama, monkeypat
     assert backend.mixed is not None and max(backend.mixed.graphs) == 2048  # the defaults
     # small buckets: every interpreted kernel program costs milliseconds here
     mixed = MixedGraphs(
-        cache, backend.static["block_tables"], backend.spare_slot, 8, None, (32, 64)
+        cache, backend.static["block_tables"], backend.spare_slot, 8, None, (24, 48)
     )
     backend.mixed = mixed
     stand_ins: list[EagerReplay] = []
@@ -420,7 +428,7 @@ def test_mixed_steps_replay_token_bucket_graphs_on_the_cpu(tiny_llama, monkeypat
     gen = torch.Generator().manual_seed(7)
     requests = [
         make_request([1] + torch.randint(3, 300, (n,), generator=gen).tolist(), max_new_tokens=3)
-        for n in (3, 50, 12, 30, 20)
+        for n in prompt_lens
     ]
     for request in requests:
         engine.add(request)
@@ -434,8 +442,9 @@ def test_mixed_steps_replay_token_bucket_graphs_on_the_cpu(tiny_llama, monkeypat
     assert not eager  # every step held by a graph: decode or mixed
     replayed = {graph.tokens: graph.graph.replays for graph in mixed.graphs.values()}
     assert sum(replayed.values()) == backend.mixed_graph_steps
+    assert all(replayed.values())  # both buckets
     assert backend.graph_steps > 0  # the decodes after the last chunk
-    assert int(mixed.slots[63]) == backend.spare_slot  # padding tokens write the spare block
+    assert int(mixed.slots[-1]) == backend.spare_slot  # padding tokens write the spare block
     assert stats["unique_graphs"] == compiled  # no step compiled anew
 
 
