@@ -6,7 +6,8 @@
 #   ab:SHAPE        torch.compile off and on in process (scripts/gpu_compile_ab.py; AB_MODES
 #                   picks of eager,compiled,unfused: unfused keeps q/k/v and gate/up apart)
 #   all:SHAPE       one launched server (compiled once) measured by benches pointed at it: 32
-#                   and 256 streams with the in-process engine at 32 beside, then 1 stream;
+#                   and 256 streams with the in-process engine at 32 beside, 32 again with
+#                   output lengths of 64-192 (both sides' streams drift apart), then 1 stream;
 #                   then the server's step timings (late plans, gaps, plan waits) to gpu.txt
 # SHAPE: a --random-model shape (smollm2-135m, llama-3.2-1b); random weights, bf16, 128-token
 # prompts, 128 new tokens. Four files land in DIR (a device run brings few files back):
@@ -79,6 +80,12 @@ print(b('$1'))") || return 1
         >"$report" 2>>"$out/logs.txt"
     echo "$1 c32,c256 exit $?" >>"$out/gpu.txt"
     keep "all:$1:c32,c256" "$report"
+    # output lengths of 64 to 192 (mean 128): the in-process engine's streams drift apart as
+    # the server's do, where with 128 each they end and start together, one prompt step a wave
+    "${at[@]}" --concurrency 32 --num-requests "${ALL_REQUESTS:-512}" --compare-inprocess \
+        --output-len-range 64:192 >"$report" 2>>"$out/logs.txt"
+    echo "$1 c32 output 64:192 exit $?" >>"$out/gpu.txt"
+    keep "all:$1:c32,output-64:192" "$report"
     "${at[@]}" --concurrency 1 --num-requests "${C1_REQUESTS:-16}" >"$report" 2>>"$out/logs.txt"
     echo "$1 c1 exit $?" >>"$out/gpu.txt"
     keep "all:$1:c1" "$report"
