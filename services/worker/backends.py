@@ -23,7 +23,7 @@ services/worker/fallback.py and services/worker/fake.py.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +76,17 @@ class ForwardBackend(ABC):
     mixed_graph_steps: int = 0  # steps with prompt chunks replayed from one so far (CudaPaged)
     compiled_steps: int = 0  # steps run by the compiled model outside a graph so far (CudaPaged)
     tiled_chunks: int = 0  # prompt chunks attended as tiles by the Triton kernel so far (CudaPaged)
+    # the pass can be queued on its device and run on while the host works (a CUDA graph's
+    # replay; the simulated worker): the worker then sends the step before's output meanwhile
+    launches_async: bool = False
+    on_queued: Callable[[], None] | None = None  # the worker's, for one forward: see queued()
+
+    def queued(self) -> None:
+        """Called by a backend that launches asynchronously once the pass is queued (before
+        it has run): the worker's `on_queued` runs then, once."""
+        callback, self.on_queued = self.on_queued, None
+        if callback is not None:
+            callback()
 
     def block_size(self, requested: int, device: torch.device, shape: Any) -> int:
         """The KV block size the backend can read, given the one asked for."""

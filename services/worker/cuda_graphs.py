@@ -78,6 +78,7 @@ class CudaPaged(TransformersPaged):
 
     name = TRITON
     spare_blocks = 1  # the padding rows' block (graph replays)
+    launches_async = True  # CUDA queues the pass; sampling waits for it
     compiler: Any = "inductor"  # torch.compile's backend (the graphs and eager steps)
 
     def __init__(
@@ -181,11 +182,13 @@ class CudaPaged(TransformersPaged):
         step = batch.prepared
         if isinstance(step, GraphStep):  # its rows are `rows` (a decode graph's: one each)
             step.graph.replay()
+            self.queued()  # the GPU runs the graph while the step before's output goes out
             if step.mixed:
                 self.mixed_graph_steps += 1
             else:
                 self.graph_steps += 1
             return step.logits[: step.num_rows]
+        self.queued()  # before an eager pass's launches, which keep the host busy
         # LoRA hooks on the modules: they run as they are
         if self.compile and batch.input_ids.shape[1] > 1 and not hasattr(self.model, HOOKED):
             inputs = self._eager_inputs(batch.input_ids, batch.position_ids, rows)

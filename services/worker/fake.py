@@ -40,6 +40,7 @@ class Simulated(ForwardBackend):
 
     can_speculate = False
     uses_paged_cache = False
+    launches_async = True  # as a CUDA graph's replay: the pass runs on while the host sends
 
     def __init__(self, step_ms: float, vocab_size: int, eos_token_ids: list[int]) -> None:
         # no real compute here: one thread, so no OpenMP team spins between the tiny tensor
@@ -62,5 +63,6 @@ class Simulated(ForwardBackend):
             while token_id in self.eos_token_ids:
                 token_id = (token_id + 1) % self.vocab_size
             logits[row, token_id] = 10.0
+        self.queued()  # a GPU's pass runs from here on: the step before's output goes out
         time.sleep(max(0.0, self.step_s - (time.perf_counter() - started)))
         return logits

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from shared.messages import StepResult
 from shared.telemetry import new_registry
 
 STEP_BUCKETS = [0.0005 * 1.6**i for i in range(24)]
@@ -69,6 +70,13 @@ class WorkerMetrics:
             "one step's token events and result written to Redis (on the torch thread, not "
             "waiting for the reply)",
             r,
+        )
+        self.overlapped_sends = Counter(
+            "textgen_worker_overlapped_sends",
+            "steps whose output went to Redis while the next step's pass ran on the device (a "
+            "CUDA graph's replay, the simulated worker), off the steps' path; the others are "
+            "sent between two steps",
+            registry=r,
         )
         self.master_switches = Counter(
             "textgen_worker_redis_master_switches",
@@ -199,6 +207,20 @@ class WorkerMetrics:
         self.lora_tokens = Counter(
             "textgen_worker_lora_tokens", "tokens sampled per adapter", ["adapter"], registry=r
         )
+
+    def observe_step(self, result: StepResult, num_requests: int) -> None:
+        """A step's timings and counts; `num_requests`: the requests held after it."""
+        self.step_duration.observe(result.step_s)
+        self.forward_duration.observe(result.forward_s)
+        self.sample_duration.observe(result.sample_s)
+        if result.step_s > 0:
+            self.tokens_per_s.set(result.num_tokens / result.step_s)
+        self.batch_tokens.observe(result.num_tokens)
+        self.generated_tokens.inc(sum(len(o.token_ids) for o in result.outputs))
+        self.draft_tokens.inc(result.num_draft_tokens)
+        self.accepted_tokens.inc(result.num_accepted_tokens)
+        self.grammar_waits.inc(sum(o.awaits_grammar for o in result.outputs))
+        self.requests.set(num_requests)
 
     def lora_loaded(self, adapter: str, seconds: float) -> None:
         self.lora_loads.labels(adapter).inc()

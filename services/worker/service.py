@@ -3,9 +3,9 @@
 The torch thread does the per-step work: it reads StepPlans from {textgen:group:<g>}:steps, runs
 them on the ModelRunner, and writes one PUBLISH of a ReplyBatch per gateway and the XADD of the
 StepResult to {textgen:group:<g>}:results in one packet (services/worker/step_link.py: the next plan
-is already in the socket when a step ends, and no write waits for Redis's reply), then starts
-the next step. The event loop announces the group and beats; a long forward never delays a
-heartbeat, and no other thread takes the GIL while a step runs.
+is already in the socket when a step ends, and no write waits for Redis's reply) before the
+next step, or on a GPU while the next step's pass runs. The event loop announces the group
+and beats; a long forward never delays a heartbeat.
 """
 
 from __future__ import annotations
@@ -27,7 +27,14 @@ from services.worker.lora import retain_registered
 from services.worker.metrics import WorkerMetrics
 from services.worker.runner import StepOutcome
 from services.worker.runtime import build_runner, ready_message
-from services.worker.step_link import BLOCK_MS, STOPPING_BLOCK_MS, Command, StepLink, xadd
+from services.worker.step_link import (
+    BLOCK_MS,
+    STOPPING_BLOCK_MS,
+    Command,
+    StepLink,
+    skip_ended_sessions,
+    xadd,
+)
 from shared.adapters import AdapterRegistry, startup_refs
 from shared.bus import FIELD, REDIS_ERRORS, REDIS_FAILURES, entry_message, stream_fields
 from shared.channels import DEAD_LETTERS_MAXLEN, Channels
@@ -53,16 +60,6 @@ RAN_AS = {
     "mixed_graph_steps": "mixed graph",
     "compiled_steps": "compiled",
 }
-
-
-def skip_ended_sessions(plans: deque[StepPlan]) -> int:
-    """Drop the plans queued before the last reset plan and return how many: their scheduler
-    session ended (a Redis failure), the reset drops every request they would step, and the
-    new session drops their results by its tag."""
-    last_reset = max((i for i, plan in enumerate(plans) if plan.reset), default=0)
-    for _ in range(last_reset):
-        plans.popleft()
-    return last_reset
 
 
 class WorkerService:
@@ -183,13 +180,12 @@ class WorkerService:
 
     def _drive(self) -> None:
         """The torch thread's loop: the next plan, its step, the step's output sent; again until
-        stopped. Its Redis work is done here, between two steps, and waits for nothing: the
-        next plan is already in the socket (the scheduler sent N+1 before it hears of N) and
-        the output is written without waiting for Redis's reply (services/worker/step_link.py).
-        So no other thread takes the GIL while a step runs, and the event loop only beats.
-        A Redis outage pauses reading and sending (retried with backoff; the heartbeat
-        re-announces the group once Redis is back), never ends the loop, and never runs a
-        plan twice."""
+        stopped. Its Redis work is done here and waits for nothing: the next plan is already in
+        the socket (the scheduler sent N+1 before it hears of N), the output is written without
+        waiting for Redis's reply (services/worker/step_link.py). Step N's output goes between
+        N and N+1, or while N+1's pass runs where the backend queues it on its device. No other
+        thread takes the GIL meanwhile. A Redis outage pauses reading and sending (retried
+        with backoff), never ends the loop, never runs a plan twice."""
         link = StepLink(
             self.settings.redis_url,
             self.channels.steps(self.group),
@@ -200,18 +196,32 @@ class WorkerService:
             master=self.master,
         )
         plans: deque[StepPlan] = deque()
+        unsent: list[StepOutcome] = []  # the step before's output, while the next pass runs
+
+        def send_unsent(overlapped: bool = False) -> None:
+            if unsent:
+                self._send_until_sent(link, unsent.pop())
+                if overlapped:
+                    self.metrics.overlapped_sends.inc()
+
         try:
             while True:
                 is_at_hand = bool(plans) or link.has_arrived()
+                if not is_at_hand:  # nothing to overlap: the scheduler may wait for it
+                    send_unsent()
                 waited_from = time.perf_counter()
                 if not self._next_plans(link, plans):
+                    send_unsent()
                     return
                 if not is_at_hand and self.runner.requests:
                     self.metrics.plan_late.observe(time.perf_counter() - waited_from)
                 plan = plans.popleft()
-                outcome = self._execute(plan, is_at_hand)
+                outcome = self._execute(plan, is_at_hand, lambda: send_unsent(overlapped=True))
+                send_unsent()  # no pass was queued (none to run, or it failed)
                 self.last_step_id = plan.step_id
-                self._send_until_sent(link, outcome)
+                unsent.append(outcome)
+                if not self.runner.backend.launches_async:
+                    send_unsent()
         finally:
             link.close()
 
@@ -308,28 +318,25 @@ class WorkerService:
         with contextlib.suppress(*REDIS_ERRORS):  # lost with Redis: the error log stays
             link.send([xadd(self.channels.dead_letters, letter, DEAD_LETTERS_MAXLEN)])
 
-    def _execute(self, plan: StepPlan, is_at_hand: bool) -> StepOutcome:
-        """Run `plan`; `is_at_hand`: it had arrived before the step before it ended."""
+    def _execute(
+        self, plan: StepPlan, is_at_hand: bool, on_queued: Callable[[], None]
+    ) -> StepOutcome:
+        """Run `plan`; `is_at_hand`: it had arrived before the step before it ended;
+        `on_queued`: for a backend that launches asynchronously, run once its pass is queued."""
         started = time.perf_counter()
         if is_at_hand and self._last_step_end is not None:
             self.metrics.step_gap.observe(started - self._last_step_end)
         if self.on_plan is not None:
             self.on_plan(plan)
-        outcome = self.runner.execute(plan)  # per-request spans: see ModelRunner
+        backend = self.runner.backend
+        backend.on_queued = on_queued
+        try:
+            outcome = self.runner.execute(plan)  # per-request spans: see ModelRunner
+        finally:
+            backend.on_queued = None
         result = outcome.result
         result.session = plan.session
-        self.metrics.step_duration.observe(result.step_s)
-        self.metrics.forward_duration.observe(result.forward_s)
-        self.metrics.sample_duration.observe(result.sample_s)
-        if result.step_s > 0:
-            self.metrics.tokens_per_s.set(result.num_tokens / result.step_s)
-        self.metrics.batch_tokens.observe(result.num_tokens)
-        self.metrics.generated_tokens.inc(sum(len(o.token_ids) for o in result.outputs))
-        self.metrics.draft_tokens.inc(result.num_draft_tokens)
-        self.metrics.accepted_tokens.inc(result.num_accepted_tokens)
-        self.metrics.grammar_waits.inc(sum(o.awaits_grammar for o in result.outputs))
-        self.metrics.requests.set(len(self.runner.requests))
-        backend = self.runner.backend
+        self.metrics.observe_step(result, len(self.runner.requests))
         ran_as = "eager"
         for name in STEP_COUNTS:
             count = getattr(backend, name)

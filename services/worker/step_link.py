@@ -35,6 +35,7 @@ from redis.exceptions import ClusterDownError, MovedError, ReadOnlyError, Respon
 
 from shared.bus import REDIS_ERRORS, pairs_to_fields
 from shared.master_watch import MasterMoved, MasterWatch, address_of
+from shared.messages import StepPlan
 from shared.redis_connect import DemotedWhileBlocked, sync_pool
 
 log = logging.getLogger(__name__)
@@ -242,3 +243,13 @@ class StepLink:
                     self._is_demoted = True
         if not self._num_unanswered and self._sender.can_read(0):
             self._sender.read_response()  # raises ConnectionError at the closed end
+
+
+def skip_ended_sessions(plans: deque[StepPlan]) -> int:
+    """Drop the plans queued before the last reset plan and return how many: their scheduler
+    session ended (a Redis failure), the reset drops every request they would step, and the
+    new session drops their results by its tag."""
+    last_reset = max((i for i, plan in enumerate(plans) if plan.reset), default=0)
+    for _ in range(last_reset):
+        plans.popleft()
+    return last_reset

@@ -130,6 +130,8 @@ def test_metrics_of_all_three_services_follow_a_run(tiny_cluster):
     # every step's events went out (after the next step started, or before waiting for one)
     publishes = total(tiny_cluster, "worker", "textgen_worker_publish_duration_seconds_count")
     assert publishes - before_publishes == forwards - before_forwards
+    # a CPU pass is not queued on a device: every output went out between two steps
+    assert total(tiny_cluster, "worker", "textgen_worker_overlapped_sends_total") == 0
     # plans reach the torch thread while the step before them computes (back to back)
     gaps = total(tiny_cluster, "worker", "textgen_worker_step_gap_seconds_count") - before_gaps
     assert 0 < gaps < forwards - before_forwards

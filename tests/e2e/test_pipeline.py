@@ -36,6 +36,21 @@ async def generate(client: httpx.AsyncClient, url: str, prompt: str, max_new_tok
     return response.json()
 
 
+async def stream_ids(
+    client: httpx.AsyncClient, url: str, prompt: str, max_new_tokens: int, started: asyncio.Event
+) -> list[int]:
+    """/generate_stream's token ids; `started` is set at the first."""
+    ids = []
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}}
+    async with client.stream("POST", f"{url}/generate_stream", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                ids.append(json.loads(line[5:])["token"]["id"])
+                started.set()
+    return ids
+
+
 def test_single_request_matches_transformers(tiny_cluster, tiny_llama):
     prompt = prompt_text(0, 12)
     body = asyncio.run(_one(tiny_cluster.gateway_urls[0], prompt, 30))
@@ -101,21 +116,21 @@ def test_long_prompt_is_chunked_while_others_decode(tiny_cluster, tiny_llama):
     async def scenario():
         async with httpx.AsyncClient() as client:
             url = tiny_cluster.gateway_urls[0]
+            started = [asyncio.Event() for _ in range(4)]
             decoders = [
-                asyncio.create_task(generate(client, url, prompt_text(i, 4), DECODE))
+                asyncio.create_task(stream_ids(client, url, prompt_text(i, 4), DECODE, started[i]))
                 for i in range(4)
             ]
-            # they are decoding now (stats lag by up to 0.25 s; a fixed 0.5 s sleep could
-            # outlast decodes of 60 tokens: one stream made 960 tokens in ~0.55 s on 2 Zen 5
-            # cores)
-            await tiny_cluster.wait_running(len(decoders))
+            # each has streamed a token, so all decode now with hundreds to go (the groups'
+            # stats lag by up to 0.25 s, longer than 4 streams of 400 tokens took on 2 cores)
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
             long = await generate(client, url, long_prompt, 10)
             return long, await asyncio.gather(*decoders)
 
     long, decoders = asyncio.run(scenario())
     assert generated_ids(long) == greedy_ids(tiny_llama, long_prompt, 10, [2])
-    for i, body in enumerate(decoders):
-        assert generated_ids(body) == greedy_ids(tiny_llama, prompt_text(i, 4), DECODE, [2])
+    for i, ids in enumerate(decoders):
+        assert ids == greedy_ids(tiny_llama, prompt_text(i, 4), DECODE, [2])
     after = tiny_cluster.wait_idle()
     chunks = sum(after[g].num_prefill_chunks - before[g].num_prefill_chunks for g in after)
     mixed = sum(after[g].num_mixed_steps - before[g].num_mixed_steps for g in after)

@@ -13,6 +13,14 @@ from tests.support.cluster import Cluster
 pytestmark = pytest.mark.integration
 
 
+def counter(url: str, name: str) -> float:
+    """A metric's value on a /metrics page (0 when absent)."""
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    return 0.0
+
+
 def test_fake_groups_serve_through_the_real_control_plane(redis_url, tiny_llama, namespace):
     cluster = Cluster(
         redis_url, namespace, tiny_llama, num_groups=2, args=[*CLUSTER_ARGS, "--fake-step-ms", "5"]
@@ -37,6 +45,10 @@ def test_fake_groups_serve_through_the_real_control_plane(redis_url, tiny_llama,
 
         responses = asyncio.run(run())
         stats = cluster.wait_idle()
+        # as on a GPU, the worker sent most steps' outputs while the next step's pass ran
+        workers = [url for name, url in cluster.ops_urls.items() if name.startswith("worker")]
+        counts = [counter(url, "textgen_worker_overlapped_sends_total") for url in workers]
+        steps = [counter(url, "textgen_worker_publish_duration_seconds_count") for url in workers]
     finally:
         cluster.stop()
     for i, response in enumerate(responses):
@@ -44,5 +56,6 @@ def test_fake_groups_serve_through_the_real_control_plane(redis_url, tiny_llama,
         assert details["finish_reason"] == "length"
         assert details["generated_tokens"] == 10 + i
         assert all(t["id"] != 2 for t in details["tokens"])  # never EOS
+    assert all(0 < n < total for n, total in zip(counts, steps, strict=True)), (counts, steps)
     assert all(s.num_finished > 0 for s in stats.values())
     assert all(s.num_free_blocks == s.num_blocks for s in stats.values())

@@ -168,10 +168,13 @@ class Cluster:
                 out[group] = decode(data, SchedulerStats)
         return out
 
-    async def wait_running(self, count: int = 1) -> None:
+    async def wait_running(self, count: int = 1, timeout: float = 60.0) -> None:
         """Until the groups' stats show `count` requests running (they lag by up to the
-        scheduler's STATS_INTERVAL_S)."""
+        scheduler's STATS_INTERVAL_S); TimeoutError after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
         while sum(s.num_running for s in self.stats().values()) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{count} requests never ran at once: {self.stats()}")
             await asyncio.sleep(0.01)
 
     def wait_idle(

@@ -2,7 +2,7 @@
 
 from collections import deque
 
-from services.worker.service import skip_ended_sessions
+from services.worker.step_link import skip_ended_sessions
 from shared.messages import StepPlan
 
 
