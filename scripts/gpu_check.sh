@@ -109,8 +109,10 @@ broker_metrics() {  # SHAPE: the scheduler's and worker's step timings and how m
     # and the worker's attention info (its kernel, its projections fused or apart)
     python3 - "$1" >>"$out/gpu.txt" <<'EOF'
 import re, sys, urllib.request
-wanted = re.compile(r"^textgen_((worker_(plan_late|step_gap|step_duration)|scheduler_plan_wait)"
-                    r"_seconds_(sum|count)|worker_(cuda_graph|mixed_graph|compiled)_steps_total"
+wanted = re.compile(r"^textgen_((worker_(plan_late|step_gap|step_duration|publish_duration)"
+                    r"|scheduler_plan_wait)_seconds_(sum|count)"
+                    r"|worker_(cuda_graph|mixed_graph|compiled)_steps_total"
+                    r"|worker_overlapped_sends_total"  # outputs sent while the next pass ran
                     r"|worker_attention_info)")  # the last: kernel and projections=fused|apart
 for port in (9100, 9101, 9102):
     try:
