@@ -454,34 +454,6 @@ def test_launch_with_cuda_graphs(tiny_llama):
     assert "cuda_graphs must be batch sizes like 1,2,4,8 or 0, not '1,x'" in line
 
 
-def test_launch_with_cpu_kernels_disabled(tiny_llama):
-    """--disable-cpu-kernels: the worker runs transformers' modules (their q/k/v and gate/up
-    projections fused, services/worker/fused_layers.py) instead of the fast decoder, says so
-    in /info and its metrics, and still answers as transformers' greedy generate does."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    port, metrics_port = free_port(), free_port_run(2)  # scheduler, worker
-    flags = ("--disable-cpu-kernels", "--metrics-port", str(metrics_port))
-    process = launch(tiny_llama, port, *flags)
-    try:
-        wait_for_line(process, "textgen is ready", timeout=120)
-        info = httpx.get(f"http://127.0.0.1:{port}/info", timeout=10).json()
-        assert info["model_attention"] == "sdpa"
-        body = {"inputs": "the cat sat", "parameters": {"max_new_tokens": 8, "details": True}}
-        answer = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=60)
-        assert answer.status_code == 200
-        served = [token["id"] for token in answer.json()["details"]["tokens"]]
-        metrics = httpx.get(f"http://127.0.0.1:{metrics_port + 1}/metrics", timeout=10).text
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-    assert 'kernel="sdpa",projections="fused"} 1.0' in metrics
-    ids = AutoTokenizer.from_pretrained(tiny_llama)("the cat sat", return_tensors="pt").input_ids
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
-    expected = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)
-    assert served == expected[0, ids.shape[1] :].tolist()
-
-
 def test_launch_with_redis_sentinels(tiny_llama):
     """--redis-sentinels and --redis-sentinel-master: `launch` starts no Redis of its own, and
     every service follows the master the sentinels name (--redis-resume-timeout and
