@@ -26,6 +26,17 @@ from shared.openmp import share_cores, share_threads
 from tests.support.redis_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
+_GIVEN_PORTS: set[int] = set()  # every port a cluster of this process handed to a service
+
+
+def service_port() -> int:
+    """A free port no cluster of this process gave out before: the OS may hand a port out
+    again before the service it went to has bound it (a worker and its scheduler once got
+    the same metrics port, and the worker could not start)."""
+    while (port := free_port()) in _GIVEN_PORTS:
+        pass
+    _GIVEN_PORTS.add(port)
+    return port
 
 
 @dataclass
@@ -75,7 +86,7 @@ class Cluster:
     def start(self, timeout: float = 180.0) -> Cluster:
         for group in self.groups:
             for service in ("worker", "scheduler"):
-                port = free_port()
+                port = service_port()
                 self.ops_urls[f"{service}-{group}"] = f"http://127.0.0.1:{port}"
                 self._spawn(
                     f"{service}-{group}", service, "--group", group, "--metrics-port", str(port)
@@ -87,7 +98,7 @@ class Cluster:
 
     def _spawn_gateway(self, *flags: str) -> str:
         i = sum(name.startswith("gateway-") for name in self.processes)
-        port = free_port()
+        port = service_port()
         self._spawn(
             f"gateway-{i}",
             "gateway",
