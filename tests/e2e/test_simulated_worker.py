@@ -8,17 +8,10 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import CLUSTER_ARGS
+from tests.e2e.test_operations import scrape
 from tests.support.cluster import Cluster
 
 pytestmark = pytest.mark.integration
-
-
-def counter(url: str, name: str) -> float:
-    """A metric's value on a /metrics page (0 when absent)."""
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(f"{name} "):
-            return float(line.split()[1])
-    return 0.0
 
 
 def test_fake_groups_serve_through_the_real_control_plane(redis_url, tiny_llama, namespace):
@@ -47,8 +40,9 @@ def test_fake_groups_serve_through_the_real_control_plane(redis_url, tiny_llama,
         stats = cluster.wait_idle()
         # as on a GPU, the worker sent most steps' outputs while the next step's pass ran
         workers = [url for name, url in cluster.ops_urls.items() if name.startswith("worker")]
-        counts = [counter(url, "textgen_worker_overlapped_sends_total") for url in workers]
-        steps = [counter(url, "textgen_worker_publish_duration_seconds_count") for url in workers]
+        samples = [scrape(url) for url in workers]
+        counts = [sample["textgen_worker_overlapped_sends_total"] for sample in samples]
+        steps = [sample["textgen_worker_publish_duration_seconds_count"] for sample in samples]
     finally:
         cluster.stop()
     for i, response in enumerate(responses):

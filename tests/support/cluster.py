@@ -76,8 +76,7 @@ class Cluster:
         env = dict(os.environ)
         if command == "worker":  # as `textgen launch` gives them: the cores are shared
             share_cores(env)
-            args = [*self.args, *flags]
-            shards = int(args[args.index("--num-shard") + 1]) if "--num-shard" in args else 1
+            shards = int(argv[argv.index("--num-shard") + 1]) if "--num-shard" in argv else 1
             share_threads(env, len(os.sched_getaffinity(0)), self.num_groups * shards)
         self.processes[name] = subprocess.Popen(
             argv, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT
