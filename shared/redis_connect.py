@@ -43,7 +43,8 @@ class ClusterNodeConnection(aioredis.Connection):
     write to a closed transport raises RuntimeError ("the handler is closed"), and a write
     after the disconnect dropped the stream writer (between redis-py's is-connected check and
     its write, as in the handshake of a reconnect) raises AttributeError ("'NoneType' object
-    has no attribute 'writelines'"); either ended the scheduler in a kill -9 failover."""
+    has no attribute 'writelines'"); either ended the scheduler in a kill -9 failover. redis-py
+    8.2 checks the writer first and raises ConnectionError itself; older ones need this."""
 
     async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         try:

@@ -1,9 +1,10 @@
 """shared/redis_connect.py's connection for Redis Cluster nodes, on a real Redis: a write to a
 connection whose transport closed under it (a cluster client that met CLUSTERDOWN closes every
 node's connections while other tasks use them) raises redis's ConnectionError on the services'
-loop (uvloop), which the outage handlers catch; redis-py's own connection raises RuntimeError
-there, which ended the scheduler in a kill -9 failover; and a write after another task's
-disconnect dropped the stream writer raises AttributeError there, which ended it too."""
+loop (uvloop), which the outage handlers catch. Before redis-py 8.2 its own connection raised
+RuntimeError there, which ended the scheduler in a kill -9 failover, and a write after another
+task's disconnect dropped the stream writer raised AttributeError, which ended it too; 8.2
+checks the writer first and raises ConnectionError, and `redis>=5.0` allows either."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ import redis.asyncio as aioredis
 
 from shared import aio
 from shared.redis_connect import ClusterNodeConnection
+
+# redis-py 8.2 checks for a closed or dropped writer before it writes (ConnectionError)
+CHECKS_WRITER = tuple(int(part) for part in redis.__version__.split(".")[:2]) >= (8, 2)
 
 pytestmark = [
     pytest.mark.integration,
@@ -45,7 +49,10 @@ async def _write_after_close(connection_class: type[aioredis.Connection], port: 
 
 @pytest.mark.parametrize(
     ("connection_class", "raised"),
-    [(ClusterNodeConnection, redis.ConnectionError), (aioredis.Connection, RuntimeError)],
+    [
+        (ClusterNodeConnection, redis.ConnectionError),
+        (aioredis.Connection, redis.ConnectionError if CHECKS_WRITER else RuntimeError),
+    ],
 )
 def test_a_write_to_a_closed_connection_is_a_lost_connection(redis_port, connection_class, raised):
     pytest.importorskip("uvloop")
@@ -75,8 +82,16 @@ async def _write_after_disconnect(connection_class: type[aioredis.Connection], p
 @pytest.mark.parametrize(
     ("connection_class", "raised", "match"),
     [
-        (ClusterNodeConnection, redis.ConnectionError, "closed connection.*NoneType"),
-        (aioredis.Connection, AttributeError, "NoneType"),
+        (
+            ClusterNodeConnection,
+            redis.ConnectionError,
+            "closed by the server" if CHECKS_WRITER else "closed connection.*NoneType",
+        ),
+        (
+            aioredis.Connection,
+            redis.ConnectionError if CHECKS_WRITER else AttributeError,
+            "closed by the server" if CHECKS_WRITER else "NoneType",
+        ),
     ],
 )
 def test_a_write_after_a_disconnect_under_it_is_a_lost_connection(
