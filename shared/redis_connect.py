@@ -140,7 +140,8 @@ def _sentinel_class(asynchronous: bool) -> type:
             async def discover_master(self, service_name: str) -> tuple[str, int]:
                 for number, sentinel in enumerate(self.sentinels):
                     try:
-                        reply = await sentinel.execute_command(
+                        # untyped in redis 8.2, typed before
+                        reply = await sentinel.execute_command(  # type: ignore[no-untyped-call, unused-ignore]
                             "SENTINEL", "GET-MASTER-ADDR-BY-NAME", service_name
                         )
                     except (RedisConnectionError, RedisTimeoutError, OSError):
@@ -157,7 +158,7 @@ def _sentinel_class(asynchronous: bool) -> type:
         def discover_master(self, service_name: str) -> tuple[str, int]:
             for number, sentinel in enumerate(self.sentinels):
                 try:
-                    reply = sentinel.execute_command(
+                    reply = sentinel.execute_command(  # type: ignore[no-untyped-call, unused-ignore]
                         "SENTINEL", "GET-MASTER-ADDR-BY-NAME", service_name
                     )
                 except (RedisConnectionError, RedisTimeoutError, OSError):

@@ -74,7 +74,7 @@ class AbortListener:
             finally:
                 if pubsub is not None:
                     with contextlib.suppress(*REDIS_ERRORS):
-                        await pubsub.aclose()  # type: ignore[no-untyped-call]
+                        await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # redis<8.2
 
     def hear(self, data: bytes) -> None:
         try:
