@@ -17,6 +17,7 @@
 # compiling and capturing took). ALL_REQUESTS, C1_REQUESTS: requests per level (512, 16).
 # STEP_LOG=N: the servers log at DEBUG, and logs.txt keeps their first N step lines (each
 # step's tokens, requests, forward and sampling times, and its gap to the step before).
+# On the device image, install the wheels scripts/gpu_wheels.sh builds (its header says how).
 #   [BUDGET=540] [STAGES="pytest ab:llama-3.2-1b all:llama-3.2-1b all:smollm2-135m"] \
 #       [LAUNCH_ARGS="..."] scripts/gpu_check.sh DIR
 set -u
