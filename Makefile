@@ -9,9 +9,10 @@ PYTEST_ARGS ?=
 
 # The deprecated text-generation client (compatibility tests) pins huggingface-hub<1.0, which
 # transformers 5 cannot use; its code runs with either, so it is installed without its pins.
-$(VENV)/.installed: pyproject.toml
+# constraints.txt: the dependency versions the suite last passed with (it says how to renew it).
+$(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -q -e ".[worker,dev]"
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e ".[worker,dev]"
 	$(VENV)/bin/python -m pip install -q --no-deps "text-generation==0.7.0"
 	touch $@
 
