@@ -4,7 +4,8 @@
 # would get less than 30 s is skipped and says so):
 #   pytest          `pytest -m gpu`
 #   ab:SHAPE        torch.compile off and on in process (scripts/gpu_compile_ab.py; AB_MODES
-#                   picks of eager,compiled,unfused: unfused keeps q/k/v and gate/up apart)
+#                   picks of eager,compiled,unfused,tuned: unfused keeps q/k/v and gate/up apart,
+#                   tuned autotunes inductor's matmuls and kernels)
 #   all:SHAPE       one launched server (compiled once) measured by benches pointed at it: 32
 #                   and 256 streams with the in-process engine at 32 beside, 32 again with
 #                   output lengths of 64-192 (both sides' streams drift apart), then 1 stream;

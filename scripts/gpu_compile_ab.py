@@ -6,7 +6,9 @@ replay, or an eager step) with its host time by operator, and the first tokens o
 prompts in one step, their attention through the Triton tile kernel and through SDPA (with that
 step's kernels). JSON objects on stdout, the last one whole. AB_MODES: which modes to run
 ("eager,compiled"; "unfused" is compiled with the q/k/v and gate/up projections apart, as
-before services/worker/fused_layers.py).
+before services/worker/fused_layers.py; "tuned" is compiled with inductor's autotuning of its
+matmuls (Triton templates against cuBLAS) and coordinate-descent tuning of its own kernels,
+which the batch-1 graph, compiled for its static shape, gets).
 
     [AB_MODES=eager] python3 scripts/gpu_compile_ab.py [SHAPE]   # default llama-3.2-1b
 """
@@ -102,6 +104,11 @@ def measure(folder: str, mode: str, result: dict, report: dict) -> None:
     """The A/B's numbers of one mode into `result` (part of `report`, printed once the host
     profile is in, so that a run cut short still tells where an eager step's time goes)."""
     started = time.perf_counter()
+    import torch._inductor.config as inductor_config  # the "tuned" mode's switches
+
+    inductor_config.max_autotune_gemm = inductor_config.coordinate_descent_tuning = (
+        mode == "tuned"
+    )
     loaded = load_model(folder, fuse_projections=mode != "unfused")
     result["fused"] = loaded.projections_fused
     engine = Engine(loaded, compile=mode != "eager", kv_cache_memory=KV_CACHE_BYTES)

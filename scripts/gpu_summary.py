@@ -54,7 +54,7 @@ def main() -> None:
             if inprocess:
                 rate, itl = inprocess["tokens_per_s"], inprocess["itl"]["p50_ms"]
                 print(f"{stage} in-process: {rate} tok/s, ITL p50 {itl} ms")
-        for name in ("eager", "compiled", "unfused"):  # gpu_compile_ab.py's AB_MODES
+        for name in ("eager", "compiled", "unfused", "tuned"):  # gpu_compile_ab.py's AB_MODES
             if name in report:
                 print("\n".join(engine_lines(stage, name, report[name])))
 
