@@ -108,6 +108,22 @@ def test_bfloat16_prompt_rows_differ_from_f_linear_by_rounding_only(bf16_ops, nu
 
 
 @needs_bfloat16
+@pytest.mark.parametrize(("in_features", "num_rows"), [(576, 1100), (1536, 700)])
+def test_own_bfloat16_kernel_takes_rows_past_its_chunks(bf16_ops, in_features, num_rows):
+    """The own kernel called with more rows than PackedLinear hands it, over several of its row
+    chunks (the AMX one's: 512 rows at 576 inputs, 320 at 1536), a last chunk and a last
+    tile short: F.linear's outputs up to rounding."""
+    generator = torch.Generator().manual_seed(num_rows)
+    weight = (torch.randn(96, in_features, generator=generator) * 0.05).bfloat16()
+    x = torch.randn(num_rows, in_features, generator=generator).bfloat16()
+    linear = PackedLinear(weight, None, bf16_ops)
+    if linear.own is None:
+        pytest.skip("oneDNN runs this weight here")
+    got = linear.own.linear(x, linear.packed, None, linear.out_features)
+    _assert_bfloat16_rounding(got, F.linear(x, weight), x, weight)
+
+
+@needs_bfloat16
 @pytest.mark.parametrize("num_rows", [1, 12, 13, 61, 300])
 @pytest.mark.parametrize("gated", [False, True])
 def test_the_widened_multiply_equals_the_dot_products_bit_for_bit(
