@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
-from services.worker import flash_attention, step_budget
+from services.worker import flash_attention, heap, step_budget
 from services.worker.backends import (
     FastDecoderPass,
     ForwardBackend,
@@ -106,6 +106,8 @@ def build_runner(
         spare_blocks=backend.spare_blocks,
     )
     backend.capture(cache, loaded.max_model_len)
+    if loaded.device.type == "cpu":  # after the cache and weights: they keep their own pages
+        heap.keep_freed_memory()
     log.info(
         "forward passes on %s; KV cache of %d blocks x %d tokens",
         backend.name,
