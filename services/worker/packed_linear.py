@@ -28,6 +28,14 @@ from services.worker.huge_pages import HugePageArena
 # 9.5 vs 14.5 ms at 32 rows, 75 vs 103 at 512, 245 vs 168 at 2048); longer prompt chunks
 # unpack the weight for oneDNN's matmul (~15% of that matmul's time)
 AMX_MAX_ROWS = 512
+# ... and for products of at most AMX_NARROW_OUT outputs, which oneDNN runs slowly at these row
+# counts (a 1024-token prompt's step has a few decode rows more). 2 AMX cores, median of 10, own
+# vs oneDNN with the unpack, in ms: 1536 -> 576 at 768, 1024, 1100, 1300, 1536 rows 0.67/1.34,
+# 0.88/1.69, 0.92/1.78, 1.15/2.20, 1.32/1.43; 576 -> 960 0.46/0.45, 0.61/0.58, 0.69/1.05,
+# 0.80/1.23, 0.95/0.92; 576 -> 576 0.28/0.45, 0.36/0.55, 0.43/0.63, 0.50/0.45, 0.58/0.47; at
+# 2048 rows level or oneDNN's; 576 -> 3072 oneDNN's from 768 rows (1.41 vs 1.64)
+AMX_NARROW_MAX_ROWS = 1536
+AMX_NARROW_OUT = 1024
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -73,6 +81,9 @@ class PackedLinear:
         # at every row count: the AVX512-BF16 one, cache-hot on 2 Zen 4 cores, 401 vs 360
         # GFLOP/s at 2048 rows x 576 -> 3072)
         self._hands_long_to_onednn = self.kind == "amx"
+        self._own_max_rows = (
+            AMX_NARROW_MAX_ROWS if self.out_features <= AMX_NARROW_OUT else AMX_MAX_ROWS
+        )
 
     @property
     def kind(self) -> str:
@@ -94,7 +105,7 @@ class PackedLinear:
             return self.own.deinterleave_gate_up(out)
         if self.own is None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
-        if x.shape[0] <= AMX_MAX_ROWS or not self._hands_long_to_onednn:
+        if x.shape[0] <= self._own_max_rows or not self._hands_long_to_onednn:
             return self.own.linear(x, self.packed, self.bias, self.out_features)
         weight = self.own.unpack(self.packed, self.out_features, self.in_features)
         return torch.nn.functional.linear(x, weight, self.bias)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import platform
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -105,6 +106,35 @@ def test_bfloat16_prompt_rows_differ_from_f_linear_by_rounding_only(bf16_ops, nu
     x = torch.randn(num_rows, 576, generator=generator).bfloat16()
     got, expected = PackedLinear(weight, None, bf16_ops)(x), F.linear(x, weight)
     _assert_bfloat16_rounding(got, expected, x, weight)
+
+
+@pytest.mark.parametrize(
+    ("out_features", "num_rows", "own"),
+    [
+        (576, 1536, True),
+        (1024, 700, True),
+        (576, 1537, False),
+        (3072, 512, True),
+        (3072, 513, False),
+    ],
+)
+def test_amx_prompt_rows_go_to_onednn_past_the_products_limit(
+    bf16_ops, out_features, num_rows, own
+):
+    """On AMX, prompt chunks past 512 rows go to oneDNN (the weight unpacked), past 1536 rows for
+    products of at most 1024 outputs, which oneDNN runs slowly below that: F.linear's output up
+    to rounding either way."""
+    generator = torch.Generator().manual_seed(num_rows)
+    weight = (torch.randn(out_features, 576, generator=generator) * 0.05).bfloat16()
+    linear = PackedLinear(weight, None, bf16_ops)
+    if linear.kind != "amx":
+        pytest.skip(f"{linear.kind} runs every row count")
+    x = torch.randn(num_rows, 576, generator=generator).bfloat16()
+    unpack = linear.own.unpack
+    with mock.patch.object(linear.own, "unpack", side_effect=unpack) as unpacked:
+        got = linear(x)
+    assert unpacked.called != own
+    _assert_bfloat16_rounding(got, F.linear(x, weight), x, weight)
 
 
 @needs_bfloat16
