@@ -127,6 +127,13 @@ class WorkerMetrics:
             ["kernel", "instruction_set", "bf16_matmul", "bf16_attention", "projections"],
             registry=r,
         )
+        self.malloc_kept = Gauge(
+            "textgen_worker_malloc_kept",
+            "1 where glibc's malloc keeps the pages a CPU step's tensors free for the next step "
+            "(mmaps only past 32 MiB, the heap never trimmed: services/worker/heap.py), else 0 "
+            "(a GPU worker, or no glibc)",
+            registry=r,
+        )
         self.torch_threads = Gauge(
             "textgen_worker_torch_threads",
             "threads a forward pass computes on (torch's pool and textgen's CPU kernels): "

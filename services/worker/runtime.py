@@ -106,8 +106,10 @@ def build_runner(
         spare_blocks=backend.spare_blocks,
     )
     backend.capture(cache, loaded.max_model_len)
-    if loaded.device.type == "cpu":  # after the cache and weights: they keep their own pages
-        heap.keep_freed_memory()
+    # after the cache and weights: they keep their own pages
+    kept = loaded.device.type == "cpu" and heap.keep_freed_memory()
+    if metrics is not None:
+        metrics.malloc_kept.set(int(kept))
     log.info(
         "forward passes on %s; KV cache of %d blocks x %d tokens",
         backend.name,

@@ -152,6 +152,8 @@ def test_metrics_of_all_three_services_follow_a_run(tiny_cluster):
         for name, attention in bf16
     ]
     assert sum(total(tiny_cluster, "worker", info) for info in infos) == 2
+    # both CPU workers keep the pages their step tensors free (glibc)
+    assert total(tiny_cluster, "worker", "textgen_worker_malloc_kept") == 2
     assert total(tiny_cluster, "scheduler", "textgen_scheduler_kv_blocks_used") == 0
     assert total(tiny_cluster, "scheduler", "textgen_scheduler_running") == 0
     assert total(tiny_cluster, "scheduler", "textgen_scheduler_kv_blocks") == sum(
