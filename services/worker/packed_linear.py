@@ -77,13 +77,14 @@ class PackedLinear:
             self.packed = arena.keep(packed) if arena is not None else packed
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
-        # whether prompt chunks past AMX_MAX_ROWS go to oneDNN (the other own kernels beat it
-        # at every row count: the AVX512-BF16 one, cache-hot on 2 Zen 4 cores, 401 vs 360
-        # GFLOP/s at 2048 rows x 576 -> 3072)
-        self._hands_long_to_onednn = self.kind == "amx"
-        self._own_max_rows = (
-            AMX_NARROW_MAX_ROWS if self.out_features <= AMX_NARROW_OUT else AMX_MAX_ROWS
-        )
+        # the most rows the own kernel takes before oneDNN does (AMX_MAX_ROWS, or
+        # AMX_NARROW_MAX_ROWS for narrow products); None: every row count (the other own kernels
+        # beat oneDNN at all of them: the AVX512-BF16 one, cache-hot on 2 Zen 4 cores, 401 vs
+        # 360 GFLOP/s at 2048 rows x 576 -> 3072)
+        self._own_max_rows: int | None = None
+        if self.kind == "amx":
+            narrow = self.out_features <= AMX_NARROW_OUT
+            self._own_max_rows = AMX_NARROW_MAX_ROWS if narrow else AMX_MAX_ROWS
 
     @property
     def kind(self) -> str:
@@ -105,7 +106,7 @@ class PackedLinear:
             return self.own.deinterleave_gate_up(out)
         if self.own is None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
-        if x.shape[0] <= self._own_max_rows or not self._hands_long_to_onednn:
+        if self._own_max_rows is None or x.shape[0] <= self._own_max_rows:
             return self.own.linear(x, self.packed, self.bias, self.out_features)
         weight = self.own.unpack(self.packed, self.out_features, self.in_features)
         return torch.nn.functional.linear(x, weight, self.bias)
