@@ -108,6 +108,7 @@ def test_bfloat16_prompt_rows_differ_from_f_linear_by_rounding_only(bf16_ops, nu
     _assert_bfloat16_rounding(got, expected, x, weight)
 
 
+@needs_bfloat16
 @pytest.mark.parametrize(
     ("out_features", "num_rows", "own"),
     [
