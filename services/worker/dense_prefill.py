@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from services.worker.kernels.tile_attention import TileAttention
+
 DENSE_MIN_QUERIES = 64  # shorter chunks are cheap for the kernel
 # by the instruction set the kernels were built for (services/worker/kernels): the fewest keys
 # a chunk attends for torch's fused attention to take it; None: the kernel takes every chunk
@@ -118,24 +120,33 @@ def attend_dense(
     block_size: int,
     num_heads: int,
     scale: float,
+    tiles: TileAttention | None = None,  # the AMX kernel, where built: it takes what it can
 ) -> None:
     """Causal attention of each dense chunk over its request's keys."""
     _slots, num_kv_heads, head_dim = k_cache.shape
     q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
+    on_tiles = tiles is not None and tiles.takes(qkv.dtype, head_dim)
     for start, end, num_keys, request in split.dense:
         rows = qkv[start:end]
         length = end - start
-        q = rows[:, :q_width].view(length, num_heads, head_dim).transpose(0, 1)
+        q = rows[:, :q_width].view(length, num_heads, head_dim)
         if num_keys == length:  # the whole context is in this step's rows
             k = rows[:, q_width : q_width + kv_width].view(length, num_kv_heads, head_dim)
             v = rows[:, q_width + kv_width : q_width + 2 * kv_width]
-            k, v = k.transpose(0, 1), v.view(length, num_kv_heads, head_dim).transpose(0, 1)
-            mask = None
+            v = v.view(length, num_kv_heads, head_dim)
         else:
             assert split.all_block_tables is not None
             k, v = cached_keys_values(
                 k_cache, v_cache, split.all_block_tables[request], num_keys, block_size
             )
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        if on_tiles:
+            assert tiles is not None
+            tiles.attend(q, k, v, out[start:end].view(length, num_heads, head_dim), scale)
+            continue
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        mask = None
+        if num_keys != length:  # the causal mask, shifted by the cached keys
             mask = torch.ones(length, num_keys, dtype=torch.bool).tril(num_keys - length)
         attended = F.scaled_dot_product_attention(  # 4-D: CPUs get the fused (flash) kernel
             q[None],

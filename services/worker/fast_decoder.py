@@ -192,7 +192,17 @@ class FastDecoder:
             )
         head_dim = k_cache.shape[2]
         out = qkv.new_empty(qkv.shape[0], self.num_heads * head_dim)
-        attend_dense(qkv, out, split, k_cache, v_cache, block_size, self.num_heads, layer.scaling)
+        attend_dense(
+            qkv,
+            out,
+            split,
+            k_cache,
+            v_cache,
+            block_size,
+            self.num_heads,
+            layer.scaling,
+            tiles=ops.tile_attention,
+        )
         if split.paged_rows is not None and len(split.paged_rows):
             paged = ops.paged_attention(
                 qkv.index_select(0, split.paged_rows),

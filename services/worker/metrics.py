@@ -119,9 +119,10 @@ class WorkerMetrics:
             "matmuls would run on (amx, avx512bf16: AVX512-BF16 dot products, avx512widen: "
             "FMAs of weights widened to float32, where faster or without AVX512-BF16, or "
             "onednn; empty without the CPU kernels); bf16_attention: what the kernel attends "
-            "bfloat16 prompt chunks with (dot: AVX512-BF16 dot products, where the matmuls keep "
-            "theirs, widen: FMAs of widened keys and values; empty without the CPU kernels; on "
-            "AMX torch's fused attention takes chunks of 64 queries or more); projections: "
+            "bfloat16 prompt chunks with (amx: chunks of 64 queries or more on AMX tiles, shorter "
+            "ones as widen; dot: AVX512-BF16 dot products, where the matmuls keep theirs; "
+            "widen: FMAs of widened keys and values; empty without the CPU kernels); "
+            "projections: "
             "fused where q/k/v and gate/up are one matmul each (the fast CPU decoder, and "
             "transformers' Llama, Mistral and Qwen2 modules), else apart",
             ["kernel", "instruction_set", "bf16_matmul", "bf16_attention", "projections"],

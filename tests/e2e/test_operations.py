@@ -146,6 +146,8 @@ def test_metrics_of_all_three_services_follow_a_run(tiny_cluster):
     bf16 = [(matmul.kind(torch.bfloat16), "widen")]
     if matmul.has_bf16_dot_products:
         bf16 = [("avx512bf16", "dot"), ("avx512widen", "widen")]
+    if matmul.has_amx:  # and chunks of 64 queries or more on the tiles
+        bf16 = [("amx", "amx")]
     infos = [
         f'textgen_worker_attention_info{{bf16_attention="{attention}",bf16_matmul="{name}",'
         f'instruction_set="{level}",kernel="cpu-kernels",projections="fused"}}'

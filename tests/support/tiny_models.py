@@ -47,8 +47,11 @@ def train_tokenizer(folder: Path, vocab_size: int = 320) -> int:
     return vocab_size
 
 
-def make_tiny_llama(folder: Path, seed: int = 0, num_layers: int = 2) -> Path:
-    """A random Llama (GQA, 4 heads / 2 kv heads) with a trained tokenizer."""
+def make_tiny_llama(
+    folder: Path, seed: int = 0, num_layers: int = 2, hidden_size: int = 64
+) -> Path:
+    """A random Llama (GQA, 4 heads / 2 kv heads: head_dim hidden_size / 4) with a trained
+    tokenizer."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -56,8 +59,8 @@ def make_tiny_llama(folder: Path, seed: int = 0, num_layers: int = 2) -> Path:
     vocab_size = train_tokenizer(folder)
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -14,6 +14,7 @@ import transformers as T
 
 from services.worker import fast_decoder, kernels
 from services.worker.fast_decoder import FAST_DECODER, unsupported_reason
+from services.worker.kernels.tile_attention import TileAttention
 from services.worker.loader import load_model
 from tests.support.engine_loop import EngineLoop, make_request
 from tests.support.reference import greedy_continuation
@@ -23,7 +24,8 @@ from tests.worker.test_architectures import PAGED, build
 
 @pytest.fixture(scope="module")
 def llama_folder(tmp_path_factory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("fast") / "llama", num_layers=3)
+    # head_dim 32: the AMX prompt attention kernel's smallest (kernels/tile_attention.py)
+    return make_tiny_llama(tmp_path_factory.mktemp("fast") / "llama", num_layers=3, hidden_size=128)
 
 
 def test_llama_runs_on_the_fast_decoder_unless_disabled(llama_folder):
@@ -82,11 +84,11 @@ def test_fast_logits_equal_the_generic_paths_in_bfloat16(llama_folder):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_long_prompt_chunks_attend_densely_with_equal_logits(llama_folder, dtype, monkeypatch):
-    """Chunks of 64 tokens and more attend with torch's fused attention
-    (services/worker/dense_prefill.py), here on every CPU (where it is the slower, the
-    policy sends no chunk there): a whole prompt from the step's rows, a later chunk from the
-    paged cache; decodes beside them stay on the kernel with tables of their own. The logits
-    equal the generic path's."""
+    """Chunks of 64 tokens and more attend with torch's fused attention, or in bfloat16 on AMX
+    tiles where the kernels have them (services/worker/dense_prefill.py), here on every CPU
+    (where it is the slower, the policy sends no chunk there): a whole prompt from the step's
+    rows, a later chunk from the paged cache; decodes beside them stay on the kernel with
+    tables of their own. The logits equal the generic path's."""
     from services.worker import dense_prefill
     from services.worker.dense_prefill import DENSE_MIN_QUERIES, AttentionSplit
 
@@ -100,10 +102,16 @@ def test_long_prompt_chunks_attend_densely_with_equal_logits(llama_folder, dtype
     )
     assert split.dense == [(2, 73, 73, 2), (73, 174, 101, 3)]
     assert split.paged_rows.tolist() == [0, 1] and split.context_lens.tolist() == [20, 30]
-    gathered = []
+    gathered, on_tiles = [], []
     gather = dense_prefill.cached_keys_values
     monkeypatch.setattr(
         dense_prefill, "cached_keys_values", lambda *a: gathered.append(a[3]) or gather(*a)
+    )
+    tile_attend = TileAttention.attend
+    monkeypatch.setattr(
+        TileAttention,
+        "attend",
+        lambda self, q, *a: on_tiles.append(len(q)) or tile_attend(self, q, *a),
     )
     prompts = [[1, *range(5, 5 + n)] for n in (3, 9, 70, 200)]
     assert all(len(p) < DENSE_MIN_QUERIES for p in prompts[:2])
@@ -113,6 +121,9 @@ def test_long_prompt_chunks_attend_densely_with_equal_logits(llama_folder, dtype
     # some chunk after cached tokens attended densely, where torch's fused attention runs the
     # dtype (bfloat16: not down its AVX2 path; the kernel then attends every chunk)
     assert bool(gathered) == dense_prefill.is_supported(getattr(torch, dtype))
+    # bfloat16 chunks attend on AMX tiles where the kernels have them, else in torch
+    has_tiles = kernels.load().tile_attention is not None
+    assert bool(on_tiles) == (has_tiles and dtype == "bfloat16")
     generic = load_model(str(llama_folder), dtype=dtype, cpu_kernels=False)
     expected = logits_of_steps(generic, prompts, new_tokens, budget=110)
     got, want = torch.cat(fast), torch.cat(expected)

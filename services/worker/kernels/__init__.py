@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from services.worker.kernels.matmul import MatmulKernels
+from services.worker.kernels.tile_attention import TileAttention
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ SOURCES = (
     "attention_dot.inc",
     "lora.inc",
     "amx_linear.inc",
+    "amx_attention.inc",
     "bf16_dot_linear.inc",
     "f32_linear.inc",
 )
@@ -215,6 +217,8 @@ class CpuKernels:
                 self._functions[name, dtype] = function
         # the fast decoder's own matmuls where this build has them (kernels/matmul.py)
         self.matmul = MatmulKernels(library)
+        # bfloat16 prompt chunks' attention on AMX tiles, where the matmuls have them
+        self.tile_attention = TileAttention(library) if self.matmul.has_amx else None
         # prompt chunks' bfloat16 attention on AVX512-BF16 dot products (attention_dot.inc):
         # where the matmuls keep theirs (a CPU that issues them slowly keeps its FMAs for both)
         self.bf16_attention_dots: bool = (
@@ -222,11 +226,16 @@ class CpuKernels:
         )
         if self.matmul.has_bf16_dot_products:
             log.info("bfloat16 prompt attention: %s (as the matmuls)", self.bf16_attention)
+        elif self.tile_attention is not None:
+            log.info("bfloat16 prompt attention: amx (chunks of 64 queries or more, on tiles)")
 
     @property
     def bf16_attention(self) -> str:
-        """What bfloat16 prompt chunks attend with: dot (AVX512-BF16 dot products) or widen
-        (FMAs of keys and values widened to float32, as decodes everywhere)."""
+        """What bfloat16 prompt chunks attend with: amx (chunks of DENSE_MIN_QUERIES or more on
+        AMX tiles, shorter ones as widen), dot (AVX512-BF16 dot products) or widen (FMAs of
+        keys and values widened to float32, as decodes everywhere)."""
+        if self.tile_attention is not None:
+            return "amx"
         return "dot" if self.bf16_attention_dots else "widen"
 
     @staticmethod

@@ -321,5 +321,6 @@ static inline float exp_clamped(float x) {
 #undef LOADW
 
 #include "amx_linear.inc"
+#include "amx_attention.inc"
 #include "bf16_dot_linear.inc"
 #include "f32_linear.inc"
