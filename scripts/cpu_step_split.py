@@ -6,7 +6,7 @@ every CPU kernel call of
 - a batch-32 decode step (32 prompts of 128 tokens, then 20 steps), and
 - a step of four 128-token prompts,
 - and with --long N, one prompt of N tokens (all its prompt steps: the engine splits it into
-  chunks),
+  chunks, whose attention is timed as attend_dense),
 per step (or prompt), against its whole time; the rest is Python and torch glue. The numbers in
 the kernels' comments and in the closing notes of issue 19 come from it."""
 
@@ -23,7 +23,7 @@ import torch
 
 from services.bench.random_model import build_random_model
 from services.engine.engine import Engine
-from services.worker import kernels, packed_linear
+from services.worker import fast_decoder, kernels, packed_linear
 
 KERNELS = ("rms_norm", "rope_store", "silu_mul", "greedy", "paged_attention")
 BATCH, PROMPT, DECODE_STEPS = 32, 128, 20
@@ -79,6 +79,8 @@ def main() -> None:
     for name in KERNELS:
         kernel = getattr(kernels.CpuKernels, name)
         setattr(kernels.CpuKernels, name, timers.wrap(kernel, lambda *_, n=name: n))
+    # long prompt chunks' attention (dense_prefill.py: AMX tiles or torch's fused attention)
+    fast_decoder.attend_dense = timers.wrap(fast_decoder.attend_dense, lambda *_: "attend_dense")
     engine = Engine(str(build_random_model("smollm2-135m")), dtype=args.dtype, compile=False)
     print(f"{torch.get_num_threads()} threads, kernels {kernels.load().level}")
     for request in prompts(BATCH):
@@ -99,6 +101,8 @@ def main() -> None:
         engine.generate(prompts(4), 1)
     timers.report(f"4 prompts of {PROMPT} tokens", 3, time.perf_counter() - started)
     if args.long:
+        timers.on = False
+        engine.generate(prompts(1, args.long), 1)  # warm
         timers.on, started = True, time.perf_counter()
         for _ in range(3):
             engine.generate(prompts(1, args.long), 1)
