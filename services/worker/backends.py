@@ -185,6 +185,7 @@ class FastDecoderPass(ForwardBackend):
             kv_cache.block_size,
             batch.slot_mapping,
             self.decoder.dense_min_keys,
+            self.decoder.dense_min_queries,
         )
 
     def forward(self, batch: PackedBatch, kv_cache: PagedKVCache, rows: list[int]) -> torch.Tensor:

@@ -25,7 +25,9 @@ EPYC (Zen 4), prompts of 128 to 2048 tokens in chunks of 512 (SDPA vs the kernel
 
 so with AVX512 the kernel attends every chunk, with AVX2 chunks over 1024 keys or more go to
 torch, and on AMX (where torch's attention runs bfloat16 on the tiles; the measurement that
-brought this module in, on a Xeon) every chunk of DENSE_MIN_QUERIES does.
+brought this module in, on a Xeon) every chunk of DENSE_MIN_QUERIES does. On AMX bfloat16 chunks
+attend on the tiles (kernels/tile_attention.py: twice torch's speed at 1024 tokens), from
+TILE_MIN_QUERIES queries.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ import torch.nn.functional as F
 from services.worker.kernels.tile_attention import TileAttention
 
 DENSE_MIN_QUERIES = 64  # shorter chunks are cheap for the kernel
+# ... and where the AMX kernel takes them (kernels/tile_attention.py), which beats it from 32
+# queries (2 AMX cores, SmolLM2-135M's heads, per layer, kernel against tiles after a prefix of
+# 128, 512, 2048 keys: 16 queries 0.09/0.11, 0.16/0.20, 0.56/1.60 ms; 32 0.15/0.12, 0.24/0.23,
+# 0.85/0.66; 48 0.23/0.14, 0.38/0.24, 1.39/0.76)
+TILE_MIN_QUERIES = 32
 # by the instruction set the kernels were built for (services/worker/kernels): the fewest keys
 # a chunk attends for torch's fused attention to take it; None: the kernel takes every chunk
 DENSE_MIN_KEYS: dict[str, int | None] = {"amx": 0, "avx512": None}
@@ -84,12 +91,13 @@ class AttentionSplit:
         starts: torch.Tensor,  # query_start as a tensor (the step's, built once)
         lens: torch.Tensor,  # context_lens as a tensor
         min_keys: int | None = 0,  # `min_keys`: None, none attends densely
+        min_queries: int = DENSE_MIN_QUERIES,  # the fewest queries of a dense chunk
     ) -> AttentionSplit:
         dense, paged = [], []
         for index, context_len in enumerate(context_lens):
             start, end = query_start[index], query_start[index + 1]
             is_dense = min_keys is not None and context_len >= min_keys
-            if is_dense and end - start >= DENSE_MIN_QUERIES:
+            if is_dense and end - start >= min_queries:
                 dense.append((start, end, context_len, index))
             else:
                 paged.append(index)

@@ -73,6 +73,7 @@ class StepTables:
         block_size: int,
         slot_mapping: torch.Tensor,
         dense_min_keys: int | None = 0,  # dense_prefill.min_keys
+        dense_min_queries: int = dense_prefill.DENSE_MIN_QUERIES,  # FastDecoder's
     ) -> StepTables:
         table, max_blocks = PagedKVCache.padded_block_tables(block_tables, context_lens, block_size)
         tables = torch.tensor(table, dtype=torch.int64).view(len(context_lens), -1)
@@ -84,7 +85,7 @@ class StepTables:
             block_tables=tables,
             slot_mapping=slot_mapping,
             split=AttentionSplit.of(
-                query_start, context_lens, tables, starts, lens, dense_min_keys
+                query_start, context_lens, tables, starts, lens, dense_min_keys, dense_min_queries
             ),
         )
 
@@ -156,6 +157,13 @@ class FastDecoder:
         ]
         # long prompt chunks attend with torch's fused attention where it is the faster
         self.dense_min_keys = dense_prefill.min_keys(ops.level, self.embed.dtype)
+        # ... and from how many queries: fewer where the AMX kernel takes them
+        tiles = ops.tile_attention
+        head_dim = decoder.layers[0].self_attn.head_dim
+        on_tiles = tiles is not None and tiles.takes(self.embed.dtype, head_dim)
+        self.dense_min_queries = (
+            dense_prefill.TILE_MIN_QUERIES if on_tiles else dense_prefill.DENSE_MIN_QUERIES
+        )
         self.lm_head = PackedLinear(
             model.get_output_embeddings().weight.detach(), ops=ops, arena=self.arena
         )

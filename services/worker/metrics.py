@@ -119,7 +119,7 @@ class WorkerMetrics:
             "matmuls would run on (amx, avx512bf16: AVX512-BF16 dot products, avx512widen: "
             "FMAs of weights widened to float32, where faster or without AVX512-BF16, or "
             "onednn; empty without the CPU kernels); bf16_attention: what the kernel attends "
-            "bfloat16 prompt chunks with (amx: chunks of 64 queries or more on AMX tiles, shorter "
+            "bfloat16 prompt chunks with (amx: chunks of 32 queries or more on AMX tiles, shorter "
             "ones as widen; dot: AVX512-BF16 dot products, where the matmuls keep theirs; "
             "widen: FMAs of widened keys and values; empty without the CPU kernels); "
             "projections: "

@@ -136,7 +136,8 @@ def test_long_prompt_chunks_attend_densely_with_equal_logits(llama_folder, dtype
 
 def test_which_chunks_attend_densely_by_instruction_set():
     """torch's fused attention takes the chunks where it was measured the faster: every chunk
-    of 64 queries on AMX, none on AVX512, those over 1024 keys or more on AVX2."""
+    of 64 queries on AMX, none on AVX512, those over 1024 keys or more on AVX2; the AMX kernel
+    from 32 queries."""
     from services.worker import dense_prefill
     from services.worker.dense_prefill import AttentionSplit
 
@@ -157,6 +158,27 @@ def test_which_chunks_attend_densely_by_instruction_set():
     assert dense(0) == [1, 2]
     assert dense(1024) == [2]
     assert dense(None) == []
+    # on the AMX kernel chunks of 32 queries or more: a chunk of 40 after 200 cached tokens
+    starts, lens = [0, 1, 41], [20, 240]
+    split = AttentionSplit.of(
+        starts, lens, tables[:2], torch.tensor(starts), torch.tensor(lens), 0, 32
+    )
+    assert [request for *_, request in split.dense] == [1]
+    split = AttentionSplit.of(starts, lens, tables[:2], torch.tensor(starts), torch.tensor(lens), 0)
+    assert split.dense == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_amx_kernel_takes_chunks_from_32_queries(llama_folder, dtype):
+    """Where the kernels have AMX tiles, bfloat16 chunks of 32 queries or more attend densely
+    (on the tiles); float32 ones, and every chunk elsewhere, from 64."""
+    from services.worker.dense_prefill import DENSE_MIN_QUERIES, TILE_MIN_QUERIES
+
+    decoder = load_model(str(llama_folder), dtype=dtype).decoder
+    assert decoder is not None
+    on_tiles = kernels.load().tile_attention is not None and dtype == "bfloat16"
+    expected = TILE_MIN_QUERIES if on_tiles else DENSE_MIN_QUERIES
+    assert decoder.dense_min_queries == expected == (32 if on_tiles else 64)
 
 
 def mistral_with_window(vocab_size: int):

@@ -227,11 +227,11 @@ class CpuKernels:
         if self.matmul.has_bf16_dot_products:
             log.info("bfloat16 prompt attention: %s (as the matmuls)", self.bf16_attention)
         elif self.tile_attention is not None:
-            log.info("bfloat16 prompt attention: amx (chunks of 64 queries or more, on tiles)")
+            log.info("bfloat16 prompt attention: amx (chunks of 32 queries or more, on tiles)")
 
     @property
     def bf16_attention(self) -> str:
-        """What bfloat16 prompt chunks attend with: amx (chunks of DENSE_MIN_QUERIES or more on
+        """What bfloat16 prompt chunks attend with: amx (chunks of TILE_MIN_QUERIES or more on
         AMX tiles, shorter ones as widen), dot (AVX512-BF16 dot products) or widen (FMAs of
         keys and values widened to float32, as decodes everywhere)."""
         if self.tile_attention is not None:
