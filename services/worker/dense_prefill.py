@@ -128,12 +128,11 @@ def attend_dense(
     block_size: int,
     num_heads: int,
     scale: float,
-    tiles: TileAttention | None = None,  # the AMX kernel, where built: it takes what it can
+    tiles: TileAttention | None = None,  # the AMX kernel where it takes these heads (None: torch)
 ) -> None:
     """Causal attention of each dense chunk over its request's keys."""
     _slots, num_kv_heads, head_dim = k_cache.shape
     q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
-    on_tiles = tiles is not None and tiles.takes(qkv.dtype, head_dim)
     for start, end, num_keys, request in split.dense:
         rows = qkv[start:end]
         length = end - start
@@ -148,8 +147,7 @@ def attend_dense(
                 k_cache, v_cache, split.all_block_tables[request], num_keys, block_size
             )
             k, v = k.transpose(0, 1), v.transpose(0, 1)
-        if on_tiles:
-            assert tiles is not None
+        if tiles is not None:
             tiles.attend(q, k, v, out[start:end].view(length, num_heads, head_dim), scale)
             continue
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)

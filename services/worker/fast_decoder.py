@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from services.worker import dense_prefill, huge_pages, kernels, packed_linear
 from services.worker.dense_prefill import AttentionSplit, attend_dense
 from services.worker.fused_layers import llama_shaped_reason, sliding_window
+from services.worker.kernels.tile_attention import TileAttention
 from services.worker.kv_cache import PagedKVCache
 from services.worker.lora import LoraOp, LoraSet
 from services.worker.packed_linear import PackedLinear, pack
@@ -157,12 +158,14 @@ class FastDecoder:
         ]
         # long prompt chunks attend with torch's fused attention where it is the faster
         self.dense_min_keys = dense_prefill.min_keys(ops.level, self.embed.dtype)
-        # ... and from how many queries: fewer where the AMX kernel takes them
+        # the AMX attention kernel, where it takes this model's chunks (None: torch's attention)
         tiles = ops.tile_attention
         head_dim = decoder.layers[0].self_attn.head_dim
-        on_tiles = tiles is not None and tiles.takes(self.embed.dtype, head_dim)
+        takes = tiles is not None and tiles.takes(self.embed.dtype, head_dim)
+        self.tiles: TileAttention | None = tiles if takes else None
+        # ... and dense from how many queries: fewer on the tiles
         self.dense_min_queries = (
-            dense_prefill.TILE_MIN_QUERIES if on_tiles else dense_prefill.DENSE_MIN_QUERIES
+            dense_prefill.TILE_MIN_QUERIES if takes else dense_prefill.DENSE_MIN_QUERIES
         )
         self.lm_head = PackedLinear(
             model.get_output_embeddings().weight.detach(), ops=ops, arena=self.arena
@@ -209,7 +212,7 @@ class FastDecoder:
             block_size,
             self.num_heads,
             layer.scaling,
-            tiles=ops.tile_attention,
+            tiles=self.tiles,
         )
         if split.paged_rows is not None and len(split.paged_rows):
             paged = ops.paged_attention(

@@ -179,6 +179,19 @@ def test_the_amx_kernel_takes_chunks_from_32_queries(llama_folder, dtype):
     on_tiles = kernels.load().tile_attention is not None and dtype == "bfloat16"
     expected = TILE_MIN_QUERIES if on_tiles else DENSE_MIN_QUERIES
     assert decoder.dense_min_queries == expected == (32 if on_tiles else 64)
+    assert (decoder.tiles is not None) == on_tiles
+
+
+def test_heads_the_amx_kernel_does_not_take_stay_in_torch(tmp_path):
+    """head_dim 16 is below the AMX kernel's 32: bfloat16 chunks attend in torch, from 64
+    queries, on every CPU."""
+    from services.worker.dense_prefill import DENSE_MIN_QUERIES
+
+    folder = make_tiny_llama(tmp_path / "llama", hidden_size=64)
+    decoder = load_model(str(folder), dtype="bfloat16").decoder
+    assert decoder is not None
+    assert decoder.tiles is None
+    assert decoder.dense_min_queries == DENSE_MIN_QUERIES
 
 
 def mistral_with_window(vocab_size: int):
