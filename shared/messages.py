@@ -292,6 +292,7 @@ class SchedulerStats(Message):
     max_step_batch_size: int = 0  # most requests seen in one step
     num_joined_running: int = 0  # requests admitted while others were already running
     num_prefill_chunks: int = 0  # partial prompt chunks scheduled (chunked prefill)
+    num_prompt_tails: int = 0  # prompts finished past the step budget (by 1/16 of it at most)
     num_mixed_steps: int = 0  # steps that prefilled and decoded in one forward
     num_preempted: int = 0  # requests preempted (recompute) since start
     num_admitted_tokens: int = 0  # known tokens of admitted requests since start

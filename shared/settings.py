@@ -144,7 +144,8 @@ class Settings(BaseSettings):
     group: str = Field("0", description="worker group driven by this scheduler/worker")
     max_batch_prefill_tokens: int | None = Field(
         None,
-        description="tokens computed per step (prompt chunks and decodes); default: 4096 on a "
+        description="tokens computed per step (prompt chunks and decodes; a prompt whose rest "
+        "is at most a sixteenth past it finishes in the step); default: 4096 on a "
         "GPU; on a CPU the worker's suggestion, the power of two from 512 to 4096 nearest "
         "below what its matmuls compute in 0.5 s (a prompt waits for its whole step)",
     )

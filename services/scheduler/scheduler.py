@@ -5,7 +5,8 @@ worker's answer (`update`). One rule drives every step, as in vLLM: each running
 its computed tokens up to its known tokens, under a per-step token budget
 (`max_batch_prefill_tokens`). A prompt longer than the budget is therefore prefilled in chunks
 while the other requests keep decoding in the same forward pass; a preempted request is
-recomputed the same way.
+recomputed the same way. A prompt whose rest past the budget is at most a sixteenth of it
+finishes in the step instead (config.py: PROMPT_TAIL_FRACTION).
 
 Admission: waiting requests in (priority, arrival) order, head-of-line: the first one that does not
 fit stops admission; one whose LoRA adapter would make more distinct adapters run than the
@@ -196,7 +197,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_tokens = min(request.num_uncomputed_tokens, budget)
+            num_tokens = self.config.chunk(request.num_uncomputed_tokens, budget)
             if num_tokens <= 0:
                 index += 1
                 continue
@@ -209,7 +210,7 @@ class Scheduler:
                     break
                 continue
             scheduled.append((request, num_tokens, new_block_ids))
-            budget -= num_tokens
+            budget = self.counters.spend(budget, num_tokens)
             index += 1
         return budget
 
@@ -239,7 +240,7 @@ class Scheduler:
                 continue
             cached = cached_prefix(self.blocks, request, self.config.enable_prefix_caching)
             num_cached = len(cached) * self.blocks.block_size
-            num_tokens = min(len(request.token_ids) - num_cached, budget)
+            num_tokens = self.config.chunk(len(request.token_ids) - num_cached, budget)
             num_blocks = self.blocks.num_missing_blocks(num_cached + num_tokens, len(cached))
             if not self.blocks.can_allocate(num_blocks, reserve=self.config.watermark_blocks):
                 self.blocks.free(cached)
@@ -260,7 +261,7 @@ class Scheduler:
             if has_running:
                 self.counters.num_joined_running += 1
             scheduled.append((request, num_tokens, request.block_ids))
-            budget -= num_tokens
+            budget = self.counters.spend(budget, num_tokens)
 
     def _forget_blocks(self, block_ids: list[int], error: str) -> None:
         """A failed step's blocks hold nothing: drop them from the prefix cache, and fail the

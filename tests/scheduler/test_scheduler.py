@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import RequestStatus
 from shared.messages import RequestOutput, StepResult
@@ -52,6 +54,25 @@ def test_long_prompt_is_chunked_under_the_budget_while_others_decode():
     assert s.counters.num_prefill_chunks == 2
     assert s.counters.num_mixed_steps == 3
     assert s.counters.num_joined_running == 1
+
+
+@pytest.mark.parametrize("prompt, chunks", [(64, [64]), (67, [67]), (68, [63, 5])])
+def test_a_prompt_overruns_the_budget_by_a_sixteenth_to_finish(prompt, chunks):
+    """With 64 tokens a step and one decode beside it, a prompt whose rest past the budget is at
+    most 4 tokens (64 // 16) finishes in one step; a longer rest waits for the next."""
+    s = scheduler(prefill=64)
+    short = request(4)
+    s.add(short, b"1-0")
+    answer(s, s.schedule())  # short now decodes
+    long = request(prompt)
+    s.add(long, b"2-0")
+    sizes = []
+    while s.requests[long.request_id].num_computed_tokens < prompt:
+        plan = s.schedule()
+        sizes.append(scheduled(plan)[long.request_id])
+        answer(s, plan)
+    assert sizes == chunks
+    assert s.counters.num_prompt_tails == (len(chunks) == 1 and prompt > 63)
 
 
 def test_blocks_are_allocated_as_tokens_grow_and_all_freed_at_the_end():
