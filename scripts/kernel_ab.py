@@ -18,7 +18,9 @@ build's median time and its ratio to the first's, after checking that the output
 - engine: whole steps of the random SmolLM2-135M, one in-process Engine per build (its fast
   decoder on that build's kernels), stepped in turns: --batch decodes of 128-token prompts,
   then steps of four 128-token prompts (new ones each time); the check compares the prompt
-  steps' greedy tokens (of the decode steps, only how many were made).
+  steps' greedy tokens (of the decode steps, only how many were made);
+- elementwise: a step's element-wise kernels of 30 layers at each row count of --rows (two
+  rms_norms with the residual, rope_store, silu_mul), --dtype float32 or bfloat16.
 The commit messages of the kernels' changes quote its numbers."""
 
 from __future__ import annotations
@@ -108,6 +110,32 @@ def attention_runs(
     return [lambda o=b: run(o) for b in builds]
 
 
+def elementwise_runs(
+    builds: list[kernels.CpuKernels], rows: int, dtype: torch.dtype
+) -> list[Callable[[], torch.Tensor]]:
+    intermediate = MATMULS[2][0]
+    x = torch.randn(rows, HIDDEN).to(dtype)
+    weight = torch.randn(HIDDEN).to(dtype)
+    gate_up = torch.randn(rows, intermediate).to(dtype)
+    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM).to(dtype)
+    cos, sin = torch.randn(rows, HEAD_DIM).to(dtype), torch.randn(rows, HEAD_DIM).to(dtype)
+    slots = torch.randperm(rows + BLOCK)[:rows]
+    caches = [torch.zeros(rows + BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype) for _ in range(2)]
+
+    def run(ops: kernels.CpuKernels) -> torch.Tensor:
+        residual = torch.zeros_like(x)
+        for _ in range(LAYERS):
+            rotated = qkv.clone()
+            ops.rope_store(rotated, cos, sin, *caches, slots, HEADS, BLOCK)
+            normed = ops.rms_norm(x, weight, 1e-5, residual=residual)
+            activated = ops.silu_mul(gate_up)
+            normed = ops.rms_norm(normed, weight, 1e-5, residual=residual)
+        parts = (rotated, *caches, normed, residual, activated)
+        return torch.cat([part.flatten().float() for part in parts])
+
+    return [lambda o=b: run(o) for b in builds]
+
+
 def engine_runs(
     builds: list[kernels.CpuKernels], batch: int, rounds: int, dtype: torch.dtype
 ) -> tuple[list[Callable[[], torch.Tensor]], list[Callable[[], torch.Tensor]]]:
@@ -174,9 +202,9 @@ def compare(title: str, variants: list[str], runs: list[Callable], rounds: int) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("kernel", choices=["matmul", "attention", "engine"])
+    parser.add_argument("kernel", choices=["matmul", "attention", "engine", "elementwise"])
     parser.add_argument("variants", nargs="+", help='a sources folder and flags: "DIR -DX=1"')
-    parser.add_argument("--rows", default="1,16,32", help="matmul: row counts")
+    parser.add_argument("--rows", default="1,16,32", help="matmul, elementwise: row counts")
     parser.add_argument("--batch", type=int, default=32, help="attention, engine: requests")
     parser.add_argument("--keys", type=int, default=160, help="attention: keys per request")
     parser.add_argument("--queries", type=int, default=1, help="attention: queries per request")
@@ -190,6 +218,10 @@ def main() -> None:
     if args.kernel == "matmul":
         for rows in (int(r) for r in args.rows.split(",")):
             runs = matmul_runs(builds, rows, dtype)
+            compare(f"{rows} rows", args.variants, runs, args.rounds)
+    elif args.kernel == "elementwise":
+        for rows in (int(r) for r in args.rows.split(",")):
+            runs = elementwise_runs(builds, rows, dtype)
             compare(f"{rows} rows", args.variants, runs, args.rounds)
     elif args.kernel == "engine":
         decodes, prompts = engine_runs(builds, args.batch, args.rounds, dtype)

@@ -93,14 +93,16 @@ def assert_rounded_alike(got: torch.Tensor, expected: torch.Tensor) -> None:
     assert num_different <= 0.01 * got.numel(), f"{num_different} of {got.numel()} differ"
 
 
+# widths that are whole vectors of 8 and 16 floats, and one whose last 4 run one at a time
+@pytest.mark.parametrize("dim", [576, 100])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_equals_transformers_with_and_without_the_residual(ops, dtype):
+def test_rms_norm_equals_transformers_with_and_without_the_residual(ops, dtype, dim):
     torch.manual_seed(0)
-    norm = LlamaRMSNorm(576, eps=1e-5)
-    norm.weight.data = torch.randn(576)
+    norm = LlamaRMSNorm(dim, eps=1e-5)
+    norm.weight.data = torch.randn(dim)
     norm = norm.to(dtype)
-    x = (torch.randn(37, 576) * 3).to(dtype)
-    residual = torch.randn(37, 576).to(dtype)
+    x = (torch.randn(37, dim) * 3).to(dtype)
+    residual = torch.randn(37, dim).to(dtype)
     summed = residual + x  # the decoder layer's skip connection, rounded as transformers does
     expected = norm(summed)
     got = ops.rms_norm(x, norm.weight.data, 1e-5, residual=residual)
@@ -114,11 +116,12 @@ def test_rms_norm_equals_transformers_with_and_without_the_residual(ops, dtype):
         torch.testing.assert_close(plain, norm(x), rtol=4e-7, atol=1e-6)
 
 
+@pytest.mark.parametrize("width", [1536, 1000])  # 1000: a span of 488, its last 8 one at a time
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_equals_transformers_mlp_activation(ops, dtype):
+def test_silu_mul_equals_transformers_mlp_activation(ops, dtype, width):
     torch.manual_seed(1)
-    gate_up = (torch.randn(33, 2 * 1536) * 4).to(dtype)
-    gate, up = gate_up[:, :1536], gate_up[:, 1536:]
+    gate_up = (torch.randn(33, 2 * width) * 4).to(dtype)
+    gate, up = gate_up[:, :width], gate_up[:, width:]
     expected = F.silu(gate) * up
     got = ops.silu_mul(gate_up)
     if dtype == torch.bfloat16:
@@ -144,10 +147,11 @@ def read_block_layout(cache: torch.Tensor, slots: torch.Tensor, block_size: int,
     return torch.stack([blocks[s // block_size, :, s % block_size] for s in slots.tolist()])
 
 
+@pytest.mark.parametrize("head_dim", [64, 48])  # 48: halves of 24, their last 8 (or none) alone
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_store_rotates_like_transformers_and_fills_the_cache(ops, dtype):
+def test_rope_store_rotates_like_transformers_and_fills_the_cache(ops, dtype, head_dim):
     torch.manual_seed(2)
-    num_heads, num_kv_heads, head_dim, num_tokens, block_size = 9, 3, 64, 21, 16
+    num_heads, num_kv_heads, num_tokens, block_size = 9, 3, 21, 16
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
     positions = torch.arange(num_tokens) * 3 + 5
     cos, sin = rope(num_tokens, head_dim, positions, dtype)
