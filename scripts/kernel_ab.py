@@ -113,10 +113,10 @@ def attention_runs(
 def elementwise_runs(
     builds: list[kernels.CpuKernels], rows: int, dtype: torch.dtype
 ) -> list[Callable[[], torch.Tensor]]:
-    intermediate = MATMULS[2][0]
+    gate_up_width = MATMULS[2][0]
     x = torch.randn(rows, HIDDEN).to(dtype)
     weight = torch.randn(HIDDEN).to(dtype)
-    gate_up = torch.randn(rows, intermediate).to(dtype)
+    gate_up = torch.randn(rows, gate_up_width).to(dtype)
     qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD_DIM).to(dtype)
     cos, sin = torch.randn(rows, HEAD_DIM).to(dtype), torch.randn(rows, HEAD_DIM).to(dtype)
     slots = torch.randperm(rows + BLOCK)[:rows]
@@ -215,14 +215,10 @@ def main() -> None:
     builds = [build(variant) for variant in args.variants]
     print(f"{torch.get_num_threads()} threads, kernels {kernels.capability()}")
     dtype = getattr(torch, args.dtype)
-    if args.kernel == "matmul":
+    if args.kernel in ("matmul", "elementwise"):
+        row_runs = matmul_runs if args.kernel == "matmul" else elementwise_runs
         for rows in (int(r) for r in args.rows.split(",")):
-            runs = matmul_runs(builds, rows, dtype)
-            compare(f"{rows} rows", args.variants, runs, args.rounds)
-    elif args.kernel == "elementwise":
-        for rows in (int(r) for r in args.rows.split(",")):
-            runs = elementwise_runs(builds, rows, dtype)
-            compare(f"{rows} rows", args.variants, runs, args.rounds)
+            compare(f"{rows} rows", args.variants, row_runs(builds, rows, dtype), args.rounds)
     elif args.kernel == "engine":
         decodes, prompts = engine_runs(builds, args.batch, args.rounds, dtype)
         compare(f"decode step, batch {args.batch}", args.variants, decodes, args.rounds)
