@@ -30,24 +30,28 @@ def test_sigterm_on_a_worker_group_hands_requests_to_the_other(cluster, tiny_lla
 
     async def scenario():
         async with httpx.AsyncClient(timeout=120) as client:
-            sent_at = time.time()
-            tasks = [
-                asyncio.ensure_future(
-                    client.post(
-                        f"{url}/generate",
-                        json={"inputs": p, "parameters": {"max_new_tokens": n, "details": True}},
+            # g1 paused while the requests go out: g0 surely holds some when it is stopped
+            # (else g1 could take them all); g0's taking them is read off the lanes, since a
+            # stats snapshot may come only after g0 finished them all (429 steps once did)
+            deadline = time.monotonic() + 60
+            while cluster.taken_entries():  # the readiness probe's request let go
+                assert time.monotonic() < deadline, f"never let go: {cluster.stats()}"
+                await asyncio.sleep(0.005)
+            with cluster.paused("scheduler-g1"):
+                tasks = [
+                    asyncio.ensure_future(
+                        client.post(
+                            f"{url}/generate",
+                            json={"inputs": p, "parameters": {"max_new_tokens": n, "details": True}},
+                        )
                     )
-                )
-                for p, n in cases
-            ]
-            # g0's stats as published after these requests went out (an older snapshot may
-            # still count the readiness probe's request as running)
-            while not (stats := cluster.stats().get("g0")) or not (
-                stats.at > sent_at and stats.num_running > 0
-            ):
-                await asyncio.sleep(0.02)
-            for name in ("scheduler-g0", "worker-g0"):  # a pod going away
-                cluster.processes[name].send_signal(signal.SIGTERM)
+                    for p, n in cases
+                ]
+                while cluster.taken_entries() == 0:
+                    assert time.monotonic() < deadline, f"g0 took none: {cluster.stats()}"
+                    await asyncio.sleep(0.005)
+                for name in ("scheduler-g0", "worker-g0"):  # a pod going away
+                    cluster.processes[name].send_signal(signal.SIGTERM)
             return [(await t).json() for t in tasks]
 
     bodies = asyncio.run(scenario())

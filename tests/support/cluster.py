@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import redis
 
-from shared.channels import Channels
+from shared.channels import SCHEDULER_GROUP, Channels
 from shared.codec import decode
 from shared.messages import SchedulerStats
 from shared.openmp import share_cores, share_threads
@@ -167,6 +167,18 @@ class Cluster:
         """Entries in the lanes' streams, taken or not (a paused scheduler takes none)."""
         client = redis.Redis.from_url(self.redis_url)
         return sum(client.xlen(lane) for lane in Channels(self.namespace).lanes)
+
+    def taken_entries(self) -> int:
+        """Lane entries a scheduler read and has not let go (its requests unfinished): no
+        snapshot's lag, unlike stats."""
+        client = redis.Redis.from_url(self.redis_url)
+        taken = 0
+        for lane in Channels(self.namespace).lanes:
+            try:
+                taken += client.xpending(lane, SCHEDULER_GROUP)["pending"]
+            except redis.ResponseError:  # no scheduler made the group yet
+                pass
+        return taken
 
     def stats(self) -> dict[str, SchedulerStats]:
         client = redis.Redis.from_url(self.redis_url)
