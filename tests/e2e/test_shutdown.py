@@ -38,14 +38,13 @@ def test_sigterm_on_a_worker_group_hands_requests_to_the_other(cluster, tiny_lla
                 assert time.monotonic() < deadline, f"never let go: {cluster.stats()}"
                 await asyncio.sleep(0.005)
             with cluster.paused("scheduler-g1"):
-                tasks = [
-                    asyncio.ensure_future(
-                        client.post(
-                            f"{url}/generate",
-                            json={"inputs": p, "parameters": {"max_new_tokens": n, "details": True}},
-                        )
-                    )
+                bodies = [
+                    {"inputs": p, "parameters": {"max_new_tokens": n, "details": True}}
                     for p, n in cases
+                ]
+                tasks = [
+                    asyncio.ensure_future(client.post(f"{url}/generate", json=body))
+                    for body in bodies
                 ]
                 while cluster.taken_entries() == 0:
                     assert time.monotonic() < deadline, f"g0 took none: {cluster.stats()}"
