@@ -34,21 +34,23 @@ def test_sigterm_on_a_worker_group_hands_requests_to_the_other(cluster, tiny_lla
             # (else g1 could take them all); g0's taking them is read off the lanes, since a
             # stats snapshot may come only after g0 finished them all (429 steps once did)
             deadline = time.monotonic() + 60
-            while cluster.taken_entries():  # the readiness probe's request let go
-                assert time.monotonic() < deadline, f"never let go: {cluster.stats()}"
-                await asyncio.sleep(0.005)
+
+            async def until(condition, what: str) -> None:
+                while not condition():
+                    assert time.monotonic() < deadline, f"{what}: {cluster.stats()}"
+                    await asyncio.sleep(0.005)
+
+            await until(lambda: cluster.taken_entries() == 0, "the probe's request never let go")
             with cluster.paused("scheduler-g1"):
-                bodies = [
+                payloads = [
                     {"inputs": p, "parameters": {"max_new_tokens": n, "details": True}}
                     for p, n in cases
                 ]
                 tasks = [
-                    asyncio.ensure_future(client.post(f"{url}/generate", json=body))
-                    for body in bodies
+                    asyncio.ensure_future(client.post(f"{url}/generate", json=payload))
+                    for payload in payloads
                 ]
-                while cluster.taken_entries() == 0:
-                    assert time.monotonic() < deadline, f"g0 took none: {cluster.stats()}"
-                    await asyncio.sleep(0.005)
+                await until(lambda: cluster.taken_entries() > 0, "g0 took none")
                 for name in ("scheduler-g0", "worker-g0"):  # a pod going away
                     cluster.processes[name].send_signal(signal.SIGTERM)
             return [(await t).json() for t in tasks]
