@@ -242,21 +242,26 @@ ATTENTION_PATHS = [(torch.float32, False), (torch.bfloat16, False), (torch.bfloa
 ATTENTION_IDS = ["float32", "bfloat16-fma", "bfloat16-dots"]
 
 
-def use_attention_dots(ops, monkeypatch, dots: bool) -> None:
-    """The bfloat16 attention of prompt chunks on AVX512-BF16 dot products (attention_dot.inc)
-    or on FMAs, whichever this host's kernels would pick; dots skipped where none are built."""
+def use_attention_dots(ops, request, monkeypatch, dots: bool):
+    """The kernels whose bfloat16 prompt chunks attend on AVX512-BF16 dot products
+    (attention_dot.inc) or on FMAs, whichever this host's would pick: this host's, and for the
+    dot products on an AMX host (whose chunks attend on the tiles) the avx512 level's; dots
+    skipped where none are built."""
     if dots and not ops.matmul.has_bf16_dot_products:
-        pytest.skip(f"no AVX512-BF16 dot products at the {ops.level} level")
+        ops = request.getfixturevalue("avx512_ops")  # skipped below the avx512 level
+        if not ops.matmul.has_bf16_dot_products:
+            pytest.skip("no AVX512-BF16 dot products on this CPU")
     monkeypatch.setattr(ops, "bf16_attention_dots", dots)
+    return ops
 
 
 @pytest.mark.parametrize(("dtype", "dots"), ATTENTION_PATHS, ids=ATTENTION_IDS)
 @pytest.mark.parametrize("block_size", [16, 32, 5])
 @pytest.mark.parametrize("window", [None, 7])
 def test_paged_attention_equals_sdpa_for_mixed_steps(
-    ops, monkeypatch, dtype, dots, block_size, window
+    ops, request, monkeypatch, dtype, dots, block_size, window
 ):
-    use_attention_dots(ops, monkeypatch, dots)
+    ops = use_attention_dots(ops, request, monkeypatch, dots)
     got, expected = attention_case(ops, dtype, block_size, 9, 3, 64, window)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
@@ -272,9 +277,9 @@ def test_paged_attention_equals_sdpa_for_mixed_steps(
     ids=["mha", "gqa2", "gqa4-128", "gqa6", "mqa-group16", "gqa3-48", "mha-80", "gqa2-256"],
 )
 def test_paged_attention_any_gqa_group_and_head_dim(
-    ops, monkeypatch, dtype, dots, num_heads, num_kv_heads, head_dim
+    ops, request, monkeypatch, dtype, dots, num_heads, num_kv_heads, head_dim
 ):
-    use_attention_dots(ops, monkeypatch, dots)
+    ops = use_attention_dots(ops, request, monkeypatch, dots)
     got, expected = attention_case(ops, dtype, 16, num_heads, num_kv_heads, head_dim, None)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)

@@ -21,9 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from services.worker import kernels
+from services.worker.kernels import CAPABILITY_ENV
 from services.worker.kernels.matmul import BF16_MATMUL_ENV
 from services.worker.packed_linear import PackedLinear, pack, supports
 from shared.host import cpu_flags
+from tests.support.cpu_kernels import build
 
 needs_bfloat16 = pytest.mark.skipif(
     not supports(torch.bfloat16), reason="no bfloat16 matmul on this CPU (AVX2 only)"
@@ -158,24 +160,22 @@ def test_own_bfloat16_kernel_takes_rows_past_its_chunks(bf16_ops, in_features, n
 @pytest.mark.parametrize("num_rows", [1, 12, 13, 61, 300])
 @pytest.mark.parametrize("gated", [False, True])
 def test_the_widened_multiply_equals_the_dot_products_bit_for_bit(
-    ops, no_avx512_bf16_ops, num_rows, gated
+    avx512_ops, no_avx512_bf16_ops, num_rows, gated
 ):
     """vdpbf16ps adds a pair's odd product, then its even one, each as an FMA rounded to
     nearest even (the ISA's definition); the widened kernel adds the same products in the same
     order: the same outputs, so which one runs changes speed only; and so does a build without
     AVX512-BF16, which also rounds to bfloat16 without vcvtne2ps2bf16. (Denormals aside: the
     dot products flush them, here none occur.)"""
-    if not ops.matmul.has_bf16_dot_products:
-        pytest.skip(f"no AVX512-BF16 dot products at the {ops.level} level")
+    if not avx512_ops.matmul.has_bf16_dot_products:
+        pytest.skip("no AVX512-BF16 dot products on this CPU")
     generator = torch.Generator().manual_seed(num_rows)
     weight = (torch.randn(2 * 768, 576, generator=generator) * 0.05).bfloat16()
     bias = None if gated else torch.randn(2 * 768, generator=generator).bfloat16()
     x = torch.randn(num_rows, 580, generator=generator).bfloat16()[:, 2:578]
     outputs = {}
     for multiply in ("dot", "widen"):
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv(BF16_MATMUL_ENV, multiply)
-            built = kernels.load.__wrapped__()
+        built = build(**{CAPABILITY_ENV: avx512_ops.level, BF16_MATMUL_ENV: multiply})
         linear = PackedLinear(weight, bias, built, gated=gated)
         assert linear.kind == {"dot": "avx512bf16", "widen": "avx512widen"}[multiply]
         outputs[multiply] = linear.silu_mul(x, built) if gated else linear(x)
@@ -186,12 +186,15 @@ def test_the_widened_multiply_equals_the_dot_products_bit_for_bit(
     assert torch.equal(without, outputs["dot"])
 
 
-def test_the_bfloat16_multiply_is_the_one_asked_for_else_the_faster(ops, monkeypatch, caplog):
+def test_the_bfloat16_multiply_is_the_one_asked_for_else_the_faster(
+    avx512_ops, monkeypatch, caplog
+):
     """TEXTGEN_BF16_MATMUL picks dot products or widened FMAs; unset (or a value it does not
     take, with a warning), the library times both on this core once."""
-    if not ops.matmul.has_bf16_dot_products:
-        pytest.skip(f"no AVX512-BF16 dot products at the {ops.level} level")
+    if not avx512_ops.matmul.has_bf16_dot_products:
+        pytest.skip("no AVX512-BF16 dot products on this CPU")
     caplog.set_level(logging.INFO, logger="services.worker.kernels")
+    monkeypatch.setenv(CAPABILITY_ENV, avx512_ops.level)  # capped to it on an AMX host
     monkeypatch.setenv(BF16_MATMUL_ENV, "Widen ")
     widened = kernels.load.__wrapped__()
     assert widened.matmul.kind(torch.bfloat16) == "avx512widen"
