@@ -9,6 +9,10 @@ holds the GIL, so the other threads' frames stand still while it reads them. (fa
 dump reads them from the C signal handler while they run: about one SIGUSR1 in 200 killed the
 process with a segmentation fault.) A main thread inside one long C call that keeps the GIL
 dumps when the call returns; a loop waiting for events is woken by the signal.
+
+A stopped service's teardown is bounded (run): the tasks its main left running get
+TEARDOWN_S to end once cancelled. A scheduler once logged "stopped" and then never exited,
+its teardown waiting on a task that did not end (which one, its dump would now tell).
 """
 
 from __future__ import annotations
@@ -63,26 +67,70 @@ def dump_stacks(signum: int = DUMP_SIGNAL, frame: FrameType | None = None) -> No
         log.warning("the stack dump failed", exc_info=True)
 
 
-async def _with_stack_dumps(main: Coroutine[Any, Any, T]) -> T:
+TEARDOWN_S = 5.0  # how long the tasks a finished main left running get to end once cancelled
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Run `main` to its end on uvloop's event loop where it is installed (its loop and
+    transports cost a fraction of asyncio's per Redis message and socket write, CPU that the
+    services share with the workers' forward passes on a CPU host), else on asyncio's own,
+    with SIGUSR1 dumping the threads' and tasks' stacks throughout, teardown included. Then
+    the tasks main left running are cancelled and waited for, up to TEARDOWN_S (as are async
+    generators and the default executor's threads): one that swallows its cancellation (as
+    Python 3.11's wait_for can, or a library catching CancelledError) is logged with its
+    stack and left behind, where asyncio.run would wait for it forever and a stopped service
+    would never exit."""
+    loop = _new_loop()
+    asyncio.set_event_loop(loop)
     try:
         previous = signal.signal(DUMP_SIGNAL, dump_stacks)
     except ValueError:  # not the main thread
         log.debug("no stack dumps on %s", DUMP_SIGNAL.name)
-        return await main
+        previous = None
     try:
-        return await main
+        return loop.run_until_complete(main)
     finally:
-        signal.signal(DUMP_SIGNAL, previous)
+        try:
+            loop.run_until_complete(_end_leftovers())
+        finally:
+            if previous is not None:
+                signal.signal(DUMP_SIGNAL, previous)
+            asyncio.set_event_loop(None)
+            loop.close()
 
 
-def run(main: Coroutine[Any, Any, T]) -> T:
-    """asyncio.run on uvloop's event loop where it is installed (its loop and transports cost
-    a fraction of asyncio's per Redis message and socket write, CPU that the services share
-    with the workers' forward passes on a CPU host), else on asyncio's own. SIGUSR1 dumps the
-    threads' and tasks' stacks."""
+def _new_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(_with_stack_dumps(main))
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(_with_stack_dumps(main))
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+async def _end_leftovers() -> None:
+    loop = asyncio.get_running_loop()
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    done, pending = await asyncio.wait(tasks, timeout=TEARDOWN_S) if tasks else (set(), set())
+    for task in done:
+        if not task.cancelled() and task.exception() is not None:
+            context = {"message": "a task ended with an exception at teardown", "task": task}
+            loop.call_exception_handler({**context, "exception": task.exception()})
+    for task in pending:
+        stack = io.StringIO()
+        task.print_stack(file=stack)
+        log.warning(
+            "task %r ignored its cancellation for %g s; left behind:\n%s",
+            task.get_name(),
+            TEARDOWN_S,
+            stack.getvalue(),
+        )
+    for what, step in (
+        ("async generators", loop.shutdown_asyncgens()),
+        ("executor threads", loop.shutdown_default_executor()),
+    ):
+        try:
+            await asyncio.wait_for(step, TEARDOWN_S)
+        except TimeoutError:
+            log.warning("%s still running after %g s; left behind", what, TEARDOWN_S)

@@ -57,7 +57,7 @@ def test_sigterm_on_a_worker_group_hands_requests_to_the_other(cluster, tiny_lla
 
     bodies = asyncio.run(scenario())
     for name in ("scheduler-g0", "worker-g0"):
-        assert cluster.processes[name].wait(timeout=30) == 0, cluster.log_tails()
+        assert cluster.exit_code(name, timeout=30) == 0, cluster.log_tails()
     log_text = cluster.logs["scheduler-g0"].read_text()
     assert "handed back" in log_text, log_text[-3000:]
     for (prompt, n), body in zip(cases, bodies, strict=True):

@@ -243,6 +243,17 @@ class Cluster:
                 parts.append(f"--- {name}: stacks ---\n{log.read().decode(errors='replace')}")
         return "\n".join(parts)
 
+    def exit_code(self, name: str, timeout: float) -> int:
+        """Service `name`'s exit status once it exits; failing, with its stacks and every
+        log's tail, if it is still running after `timeout` seconds."""
+        try:
+            return self.processes[name].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stacks = self.stacks((name,))
+            raise AssertionError(
+                f"{name} still running after {timeout} s\n{stacks}\n{self.log_tails()}"
+            ) from None
+
     def stop(self) -> None:
         for process in self.processes.values():
             if process.poll() is None:
