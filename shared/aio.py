@@ -114,9 +114,9 @@ async def _end_leftovers() -> None:
         task.cancel()
     done, pending = await asyncio.wait(tasks, timeout=TEARDOWN_S) if tasks else (set(), set())
     for task in done:
-        if not task.cancelled() and task.exception() is not None:
-            context = {"message": "a task ended with an exception at teardown", "task": task}
-            loop.call_exception_handler({**context, "exception": task.exception()})
+        if not task.cancelled() and (exception := task.exception()) is not None:
+            message = "a task ended with an exception at teardown"
+            loop.call_exception_handler({"message": message, "exception": exception, "task": task})
     for task in pending:
         stack = io.StringIO()
         task.print_stack(file=stack)
